@@ -4,7 +4,8 @@ encoder or the store would choke on is refused here, before anything is written.
 Refused: invalid UTF-8 (which includes UTF-8-encoded surrogates), invalid JSON, nesting deeper
 than `MAX_DEPTH`, lone UTF-16 surrogates from `\\ud800`-style escapes (they cannot be encoded back
 to UTF-8, so storing or answering them fails later), `NaN`/`Infinity`, and numbers that overflow a
-double or a 64-bit integer. Optionally a cap on the number of objects, checked while parsing.
+double or a 64-bit integer. Optionally (`max_objects`) caps on what a big input holds: objects,
+counted while parsing, and arrays and values, counted in the text before the parse (`check_counts`).
 
 Cost on the usual small input: the C parser as before (number hooks run only for numbers) plus a
 few C-speed scans; the tree is walked only when brackets or surrogate escapes make it necessary.
@@ -16,6 +17,7 @@ import codecs
 import json
 import math
 import re
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import orjson
@@ -28,6 +30,12 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _LONG_NUMBER_B = re.compile(rb"[0-9]{19}")
 FAST_MAX_BYTES = 64 * 1024  # orjson first up to this size (a bigger body is rarely small in objects)
+# With `max_objects`: an input of up to this many bytes is parsed without counting (it cannot hold
+# enough arrays or values to cost much); a bigger one holds at most `max_objects` objects and as
+# many arrays, and VALUES_PER_OBJECT times as many values (a frame of 1.3 million `[]` or 2 million
+# numbers cost 0.4-0.6 s of the event loop to parse: GC passes, number checks and the depth walk).
+COUNT_FROM_BYTES = 64 * 1024
+VALUES_PER_OBJECT = 4
 
 
 class JsonRejected(ValueError):
@@ -144,8 +152,17 @@ def _decode(raw: bytes) -> str:
     return "".join(parts)
 
 
-def loads(data: bytes | str, *, object_budget: ObjectBudget | None = None) -> Any:
-    """Parse `data` strictly (see the module doc); raises `JsonRejected`."""
+def loads(
+    data: bytes | str, *, object_budget: ObjectBudget | None = None, max_objects: int | None = None, hint: str = ""
+) -> Any:
+    """Parse `data` strictly (see the module doc); raises `JsonRejected`. `max_objects`: an input
+    over COUNT_FROM_BYTES is refused (`request_too_complex`, `hint` appended) beyond that many
+    objects or arrays, or VALUES_PER_OBJECT times as many values; the arrays and values before the
+    parse (`check_counts`), the objects while parsing (`ObjectBudget`, when `{` is that frequent)."""
+    if max_objects is not None and object_budget is None and len(data) > COUNT_FROM_BYTES:
+        check_counts(data, max_arrays=max_objects, max_values=VALUES_PER_OBJECT * max_objects, hint=hint)
+        if count(data, "{" if isinstance(data, str) else b"{") > max_objects:
+            object_budget = ObjectBudget(max_objects, hint)
     if isinstance(data, bytes | bytearray):
         raw = bytes(data)
         if raw.startswith(codecs.BOM_UTF8):
@@ -197,6 +214,64 @@ def count(data: str | bytes, needle: Any) -> int:
     if len(data) <= DECODE_STEP:
         return data.count(needle)
     return sum(data.count(needle, at, at + DECODE_STEP) for at in range(0, len(data), DECODE_STEP))
+
+
+def check_counts(data: str | bytes, *, max_arrays: int, max_values: int, hint: str = "") -> None:
+    """Refuse, before parsing, an input of more than `max_arrays` arrays or `max_values` values
+    (strings, numbers, literals, arrays and objects; keys are not values). At C speed: counts of
+    characters, and only when those could be over a limit, the same counts outside strings (which
+    may hold any number of brackets and commas: a pasted CSV or source file)."""
+    s = _Chars.of(data)
+    arrays = count(data, s.open_array)
+    if arrays <= max_arrays and _values_at_most(data, s, arrays) <= max_values:
+        return
+    bare = data
+    for escape in (s.escaped_backslash, s.escaped_quote):  # in this order: `\\"` ends a string
+        if escape in bare:
+            bare = bare.replace(escape, s.empty)
+    if count(bare, s.quote) > 4 * max_values:  # every string is a value or a key, and keys are fewer
+        raise _too_many(f"more than {max_values} JSON values", hint)
+    outside = s.quote.join(bare.split(s.quote)[::2])  # each string a lone `"`: `[""]` is no `[]`
+    arrays = count(outside, s.open_array)
+    if arrays > max_arrays:
+        raise _too_many(f"{arrays} JSON arrays, more than {max_arrays}", hint)
+    # (`[ ]` with a blank inside counts one value too many: no client writes that in bulk)
+    values = _values_at_most(outside, s, arrays) - count(outside, s.empty_array) - count(outside, s.empty_object)
+    if values > max_values:
+        raise _too_many(f"{values} JSON values, more than {max_values}", hint)
+
+
+def _too_many(what: str, hint: str) -> JsonRejected:
+    return JsonRejected(f"holds {what}{hint}", code="request_too_complex")
+
+
+def _values_at_most(data: str | bytes, s: _Chars, arrays: int) -> int:
+    """Values if `data` (holding `arrays` `[`) holds no strings and no empty containers: one for
+    the whole input, one for each container's first entry and one per comma; more otherwise."""
+    return 1 + count(data, s.comma) + arrays + count(data, s.open_object)
+
+
+@dataclass(frozen=True, slots=True)
+class _Chars:
+    """The characters `check_counts` looks for, as text or as bytes (the input's type)."""
+
+    quote: Any
+    comma: Any
+    open_array: Any
+    open_object: Any
+    empty_array: Any
+    empty_object: Any
+    escaped_backslash: Any
+    escaped_quote: Any
+    empty: Any
+
+    @staticmethod
+    def of(data: str | bytes) -> _Chars:
+        return _TEXT_CHARS if isinstance(data, str) else _BYTE_CHARS
+
+
+_TEXT_CHARS = _Chars('"', ",", "[", "{", "[]", "{}", "\\\\", '\\"', "")
+_BYTE_CHARS = _Chars(*(c.encode() for c in astuple(_TEXT_CHARS)))
 
 
 def _has_surrogate_escape(text: str) -> bool:

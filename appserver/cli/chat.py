@@ -655,7 +655,11 @@ class Chat:
         self.held: list[tuple[str, bool]] = []  # lines typed meanwhile, each with whether it holds pasted text
         self.eof = False
         self.exit_code: int | None = None
-        self.turns_failed = 0  # with input from a pipe, the exit code says whether any turn failed or was interrupted
+        self.turns_failed = 0  # from a pipe, the exit code says whether a turn of its own failed or was interrupted
+        # The turns this session's lines started (until they end): from a pipe only these are
+        # followed and asked about; another client's turn and its approvals are left to it
+        self.mine: set[str] = set()
+        self.left_to_others: dict[str, None] = {}  # calls of other clients' turns said to wait for them
         self.refusals = 0  # … or whether a line was refused (too long for a frame, refused by the server): lost input
         self.lost = False  # the connection is gone for good (said once; exit 1)
         self.tasks: set[asyncio.Task[None]] = set()
@@ -728,10 +732,14 @@ class Chat:
 
     async def run(self, active: dict[str, Any] | None) -> int:
         self.banner()
-        if active is not None and active.get("status") not in TERMINAL:
+        if active is not None and active.get("status") not in TERMINAL and not self.foreign(active["turn_id"]):
             self.follow(active["turn_id"])
             self.renderer.snapshot(active)
         else:
+            if active is not None and active.get("status") not in TERMINAL:
+                self.screen.line(
+                    self.screen.dim(f"[another client's turn {exact(active['turn_id'])} runs: lines queue behind it]")
+                )
             self.prompt()
         while self.exit_code is None:
             kind, value = await self.events.get()
@@ -770,10 +778,16 @@ class Chat:
                 f"({type(exc).__name__}: {visible(str(exc))})"
             )
 
+    def foreign(self, turn_id: str) -> bool:
+        """A turn a script (input from a pipe) leaves alone: one it did not start. Its approvals
+        wait for the client that started it (a script's next line is its own input, no answer to
+        a call it never caused), its lines queue behind it, and its outcome is not the script's."""
+        return not self.editor.echo and turn_id not in self.mine
+
     def leave(self) -> None:
         """End the session on purpose (/quit, end of input). A script that pipes its input reads
         the outcome from the exit code, however its input ends (`/quit` or end of file): 1 when a
-        turn failed or was interrupted, or a line of it was refused (`error: line too long: …`, a
+        turn of its own failed or was interrupted, or a line of it was refused (`error: line too long: …`, a
         submit or command the server refused: that input never ran). A person at the terminal saw
         each `[failed: …]` and `error:` line and went on: 0."""
         self.exit_code = 1 if (self.turns_failed or self.refusals) and not self.editor.echo else 0
@@ -961,6 +975,7 @@ class Chat:
                 f"within {SUBMIT_TIMEOUT:g} s" if isinstance(outcome, Exception) else "(its ack named no turn)",
             )
         else:
+            self.mine.add(outcome["turn_id"])
             self.follow(outcome["turn_id"])
             if outcome.get("queue_position"):
                 self.screen.line(self.screen.dim(f"[queued behind {visible(outcome['queue_position'])} input(s)]"))
@@ -1111,9 +1126,13 @@ class Chat:
             self.render(snap)
             if snap["status"] in TERMINAL:
                 self.renderer.end(snap)
-                self.turns_failed += did_not_complete(snap)
+                self.turns_failed += did_not_complete(snap) and snap["turn_id"] in self.mine
+                self.mine.discard(snap["turn_id"])
                 await self.turn_ended()
         elif kind == "approval_request" and frame.get("conversation_id") == self.conv_id:
+            if self.foreign(frame["turn_id"]):
+                self.leave_to_others(frame)
+                return
             if self.turn is None:  # a turn of this conversation needs an answer: show it
                 if self.editor.visible:
                     self.erase_prompt()
@@ -1148,6 +1167,18 @@ class Chat:
             self.notice(self.screen.dim("[the server is stopping; a standby may take over]"))
         elif kind == "error":
             self.notice(f"error: {visible(frame.get('message'))}")
+
+    def leave_to_others(self, frame: dict[str, Any]) -> None:
+        """Say (once per call) that another client's call waits for its approval, unanswered here."""
+        if frame["call_id"] in self.left_to_others:
+            return
+        self.left_to_others[frame["call_id"]] = None
+        while len(self.left_to_others) > 64:
+            del self.left_to_others[next(iter(self.left_to_others))]
+        call = f"{exact(frame['name'])}({exact(frame['arguments'])})"
+        self.notice(
+            self.screen.dim(f"[{exact(frame['call_id'])}] {call} of another client's turn waits for its approval")
+        )
 
     async def turn_ended(self) -> None:
         self.turn, self.cancelling = None, False

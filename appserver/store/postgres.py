@@ -77,6 +77,7 @@ from appserver.store.rows import (
     DRAFT_UPDATE,
     OBJECT,
     RESPONSE_OWNER_COLUMNS,
+    SIZED_MESSAGE_COLUMNS,
     DamageLog,
     agent_record,
     conversation_record,
@@ -1072,9 +1073,9 @@ class PostgresStore(Store):
         self, conversation_id: str, *, before_id: int | None, limit: int, max_bytes: int
     ) -> tuple[list[MessageRecord], bool]:
         # The sizes first (octet_length reads no text), then only the rows that fit the budget.
+        size_sum = " + ".join(f"coalesce(octet_length({c}), 0)" for c in SIZED_MESSAGE_COLUMNS)
         sizes = await self._rows(
-            "SELECT id, coalesce(octet_length(content), 0) + coalesce(octet_length(reasoning), 0) "
-            "+ coalesce(octet_length(tool_calls::text), 0) AS size FROM messages "
+            f"SELECT id, {size_sum} AS size FROM messages "  # column names, no input
             "WHERE conversation_id=%s AND id < %s ORDER BY id DESC LIMIT %s",
             (conversation_id, before_id if before_id is not None else 2**62, limit + 1),
         )

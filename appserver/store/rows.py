@@ -274,10 +274,16 @@ def conversation_record(row: Row, on_damage: OnDamage = refuse) -> ConversationR
     )
 
 
+# The columns of a message row that hold text of any size: a history page is as big as they are
+# together (`source` is what the client gave, `meta` holds a refusal's text, `provider_state` is
+# read with the row though never shown). Postgres sums the same columns (postgres.py history_page).
+SIZED_MESSAGE_COLUMNS = ("content", "tool_calls", "reasoning", "source", "meta", "provider_state")
+
+
 def stored_size(row: Row) -> int:
     """How many bytes a message row's text columns hold (UTF-8), for paging by size."""
     total = 0
-    for k in ("content", "tool_calls", "reasoning"):
+    for k in SIZED_MESSAGE_COLUMNS:
         text = row[k]
         if isinstance(text, str):
             total += len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))

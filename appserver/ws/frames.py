@@ -313,12 +313,14 @@ class CreateConversation(_ClientFrame):
     @field_validator("metadata")
     @classmethod
     def _metadata_small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if (
-            value is not None
-            and len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass")) > METADATA_MAX_BYTES
-        ):
-            raise ValueError(f"metadata is larger than {METADATA_MAX_BYTES} bytes as JSON")
-        return value
+        return _at_most(value, "metadata", METADATA_MAX_BYTES)
+
+
+def _at_most(value: dict[str, Any] | None, name: str, max_bytes: int) -> dict[str, Any] | None:
+    """`value` if it is at most `max_bytes` as JSON (UTF-8, as it is stored), else ValueError."""
+    if value is not None and len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass")) > max_bytes:
+        raise ValueError(f"{name} is larger than {max_bytes} bytes as JSON")
+    return value
 
 
 class GetHistory(_ClientFrame):
@@ -344,6 +346,11 @@ class Unsubscribe(_ClientFrame):
     agent: Text | None = None  # needed only with conversation "default"
 
 
+# `source` is stored with the turn and on its messages, and every `history` page carries it: bounded
+# as `metadata` is, with room for what a channel gateway records (up to 1,000 batched message ids).
+SOURCE_MAX_BYTES = 256 * 1024
+
+
 class SubmitInput(_ClientFrame):
     type: Literal["submit_input"]
     agent: Text = Field(min_length=1)
@@ -353,6 +360,11 @@ class SubmitInput(_ClientFrame):
     idempotency_key: str | None = Field(default=None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
     source: dict[str, Any] | None = None
     client_tools: list[ClientTool] = Field(default_factory=list)
+
+    @field_validator("source")
+    @classmethod
+    def _source_small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _at_most(value, "source", SOURCE_MAX_BYTES)
 
 
 class ApprovalResponse(_ClientFrame):

@@ -139,15 +139,17 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 HISTORY_PAGE_BYTES = 8 * 1024 * 1024
 # How much one frame may hold (issue 11.10 on this front end): a 4 MiB frame of 150,000 tiny client
 # tools or input parts cost seconds of event-loop time to validate, so the counts are checked on
-# the parsed JSON, before the frame models see it, and big frames are parsed with an object budget.
+# the parsed JSON, before the frame models see it, and big frames are parsed with an object budget
+# and refused beyond as many arrays or 4 times as many values (strictjson.loads `max_objects`).
 MAX_CLIENT_TOOLS = 128  # OpenAI's limit on `tools` per request
-BUDGET_FROM_CHARS = 64 * 1024  # smaller frames cannot hold enough objects to matter
+BUDGET_FROM_CHARS = strictjson.COUNT_FROM_BYTES  # a refused frame this small is parsed again for its request_id
 
 
 @dataclass(frozen=True, slots=True)
 class FrameLimits:
     """`max_items`: entries in `input` / `decisions` (`[limits] max_messages`, as on HTTP);
-    `max_objects`: JSON objects in one frame (as for HTTP bodies: 16 per item, at least 4,096)."""
+    `max_objects`: JSON objects in one frame (as for HTTP bodies: 16 per item, at least 4,096), and
+    as many arrays, and 4 times as many values (strings, numbers, ...)."""
 
     max_items: int = 2048
     max_objects: int = 16 * 2048
@@ -163,13 +165,10 @@ _LIST_CAPS = (("input", None), ("decisions", None), ("client_tools", MAX_CLIENT_
 def parse_client_frame(text: str | None, limits: FrameLimits = FrameLimits()) -> Any:
     if text is None:
         raise FrameError("bad_frame", "binary frames are not part of this protocol; send JSON text")
-    budget = None
-    if len(text) > BUDGET_FROM_CHARS and strictjson.count(text, "{") > limits.max_objects:
-        budget = strictjson.ObjectBudget(limits.max_objects, "; send fewer items per frame")
     try:
-        data = strictjson.loads(
-            text, object_budget=budget
-        )  # also refuses what the store could not encode (lone surrogates)
+        # also refuses what the store could not encode (lone surrogates), and a frame over
+        # COUNT_FROM_BYTES of more objects or arrays than `max_objects` or 4 times as many values
+        data = strictjson.loads(text, max_objects=limits.max_objects, hint="; send fewer items per frame")
     except strictjson.JsonRejected as exc:
         code = "bad_frame" if exc.code == "request_too_complex" else "bad_json"
         raise FrameError(code, exc.about("the frame")) from None

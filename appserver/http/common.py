@@ -83,9 +83,32 @@ async def read_body(request: Request) -> bytes:
     return body
 
 
+# The request headers these routes give a meaning to, each of which a request may send once:
+# with two, which one counts would be a guess (the first, silently), and an intermediary that
+# added its own would pick the conversation or the key without a word. Refused as a second
+# Content-Length is: 400, naming the header, with the code its malformed value gets.
+SINGLE_HEADERS = (("Idempotency-Key", "invalid_idempotency_key"), (HEADER, "invalid_conversation_id"))
+
+
+def refuse_repeated_headers(request: Request) -> None:
+    """400 for a header of SINGLE_HEADERS sent more than once, before anything is read or run."""
+    for name, code in SINGLE_HEADERS:
+        count = len(request.headers.getlist(name))
+        if count > 1:
+            raise ApiError(400, f"the request has {count} {name} headers; send it once", code=code, param=name)
+
+
+def content_codings(request: Request) -> list[str]:
+    """Every coding the request's Content-Encoding headers name, in order (several headers are one
+    list, as HTTP has it): a coding named in a second header is no less applied."""
+    values = request.headers.getlist("content-encoding")
+    return [c.strip().lower() for v in values for c in v.split(",") if c.strip()]
+
+
 async def read_json(request: Request) -> tuple[dict[str, Any], bytes]:
-    encoding = request.headers.get("content-encoding", "").strip().lower()
-    if encoding not in ("", "identity"):
+    refuse_repeated_headers(request)
+    encoding = next((c for c in content_codings(request) if c != "identity"), "")
+    if encoding:
         # Read as it is, a gzip body failed as "not valid UTF-8"; a plain body sent under a label
         # it does not have was read as if the label were not there.
         raise ApiError(
@@ -373,7 +396,7 @@ class Idempotency:
         answered: Sequence[str] = (),
         approvals: Sequence[str] = (),
         ends: Callable[[TurnSnapshot], bool] = any_pause,
-    ) -> tuple[TurnRun | None, tuple[str, str] | None]:
+    ) -> tuple[TurnRun | None, TurnKey | None]:
         """What an earlier attempt with this key left: (its turn to follow, None) when that turn is
         still the answer — queued, running, paused or completed: a server killed before the reply
         was stored released the claim, but the turn ran or runs on; else (None, the (key, scope)
@@ -381,8 +404,9 @@ class Idempotency:
         client went away, the model failed, the server died while it ran) is not the answer: the
         request runs again, and its new turn takes the key (`forget_idempotency`: only this claim's
         holder gets here), so a repeat after a second crash follows the new turn instead of running
-        the request a third time. Keys older than IDEMPOTENCY_TTL_S name no turn (the store ignores
-        them, purged or not).
+        the request a third time. Landing right after that turn (its conversation pinned), the new
+        turn re-runs that turn's input, kept in the history once (`TurnKey.rerun`). Keys older
+        than IDEMPOTENCY_TTL_S name no turn (the store ignores them, purged or not).
 
         `answered`: the ids of the calls the request answers (`approvals`: those of them it
         approved or denied): its turn is the paused one it resumed (`keep_answers_key`), and it
@@ -403,14 +427,15 @@ class Idempotency:
             # key's turn, and never forgotten by it.
             turn = None
         if turn is None:
-            return None, (self.turn_key, self.turn_scope)
+            return None, TurnKey(self.turn_key, self.turn_scope)
         gone = turn.status == "running" and not await self.server.kernel.owner_alive(turn.owner, strict=True)
         # Cancelled, failed, or interrupted by a crash; or running on a server that died (settled as
         # interrupted once that is noticed; a queued turn of a dead server still runs elsewhere):
-        # not the answer, the request runs again.
+        # not the answer, the request runs again, re-running that turn's input where it lands
+        # right after it (`TurnKey.rerun`).
         if turn.status not in ("queued", "running", "awaiting", "completed") or gone:
             await store.forget_idempotency(self.turn_scope, named, turn.id)
-            return None, (self.turn_key, self.turn_scope)
+            return None, TurnKey(self.turn_key, self.turn_scope, rerun=turn.id)
         if self.principal is not None and not await may_see(self.server, self.principal, turn.conversation_id):
             raise hidden_key()  # never followed (its claim, taken by this request, is dropped by the caller)
         handle = await self.server.kernel.handle_for(turn)
@@ -447,6 +472,20 @@ class Idempotency:
 
 
 HTTP_SOURCES = ("openai_chat", "openai_responses")
+
+
+class TurnKey(tuple[str, str]):
+    """(key, scope) a request's new turn is accepted under (`Idempotency.earlier`), and `rerun`:
+    the turn an earlier attempt with the key ran that answered nothing (a stop, a crash, a failure,
+    a cancel). The new turn re-runs that turn's input when it lands right after it in its
+    conversation (`Kernel._rerun`): the retry leaves the input there once, not twice."""
+
+    rerun: str | None
+
+    def __new__(cls, key: str, scope: str, rerun: str | None = None) -> TurnKey:
+        made = super().__new__(cls, (key, scope))
+        made.rerun = rerun
+        return made
 
 
 def http_turn(turn: TurnRecord) -> bool:
@@ -1129,6 +1168,7 @@ async def start_turn(
                 overlap_accept=overlap_accept,
                 idempotency_key=idempotency[0] if idempotency else None,
                 idempotency_scope=idempotency[1] if idempotency else None,
+                rerun_of=idempotency.rerun if isinstance(idempotency, TurnKey) else None,
             )
         )
         check = credential_check(request) if request is not None else None

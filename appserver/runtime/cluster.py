@@ -433,7 +433,8 @@ class ClusterLink:
 
     def follow_elsewhere(self, handle: TurnHandle) -> None:
         """A turn of a runtime this server had to drop (it was judged gone, and its conversations
-        were taken over): from now on its handle follows the turn as a mirror, which reads the
+        were taken over), or to let go of (cut off from its cluster, it could not write the turn:
+        `Kernel._cut_off`): from now on its handle follows the turn as a mirror, which reads the
         turn from the store (the sweep, every `STALE_S`) until it has ended, so the clients here
         hear how it really ended on the server that took it over. The handle's controller must
         no longer be driven by a runtime."""

@@ -18,11 +18,12 @@ from typing import Any
 from appserver.runtime.board import TurnBoard
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.handle import Decision, TurnHandle
-from appserver.runtime.history import History
+from appserver.runtime.history import History, last_input
 from appserver.runtime.lifecycle import Lease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers
 from appserver.runtime.queue import TurnQueue
 from appserver.runtime.run import TurnRunner
+from appserver.runtime.snapshot import TurnController
 from appserver.store.records import MessageRecord, TurnRecord, TurnSettings
 
 
@@ -111,6 +112,13 @@ class ConversationRuntime:
         """Adopt a paused turn from the store (survives restarts and other processes)."""
         await self._answers.load()
 
+    async def ends_with(self, turn_id: str) -> bool:
+        """Turn `turn_id`'s input is the history's last (`last_input`), and nothing runs, waits or
+        is queued here: a new turn accepted before the next await runs right after it, with no
+        other input between (`Kernel._rerun`)."""
+        history = await self._history.read()
+        return last_input(history) == turn_id and not self.holds_turns
+
     def adopt_history(self, messages: list[MessageRecord]) -> None:
         """The whole history, from a caller that just wrote it (a new conversation): no store read."""
         self._history.adopt(messages)
@@ -163,6 +171,21 @@ class ConversationRuntime:
             return False
         await self._runner.save_cancel(lease.turn_id, lease)
         return True
+
+    def let_go_unsaved(self, turn_id: str, controller: TurnController) -> list[TurnHandle]:
+        """Turn `turn_id` could not be written, this server being cut off from its cluster (which
+        may have taken the conversation over): that turn (when `controller` is its handle's here)
+        and the queued ones leave this runtime, their handles returned for the caller to follow in
+        the store. Forgotten by the board, they are queued (or settled) here again by a catch-up if
+        this server, once back, still holds the conversation; the runtime itself stays, and so do
+        the watches pinned to it."""
+        handles = self.queue.drain()
+        own = self.handles.get(turn_id)
+        if own is not None and own.controller is controller:
+            handles.insert(0, own)
+        for handle in handles:
+            self.handles.pop(handle.turn_id, None)
+        return handles
 
     @property
     def holds_turns(self) -> bool:

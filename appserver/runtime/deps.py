@@ -9,7 +9,7 @@ from typing import Protocol
 
 from appserver.agent.loop import AgentLoop
 from appserver.config import Config
-from appserver.runtime.snapshot import TurnSnapshot
+from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.store.base import Store
 from appserver.store.records import TurnRecord
 
@@ -24,6 +24,10 @@ class RuntimeDeps:
     # A server of a cluster: accepts go through `PostgresStore.accept_in_cluster` (the queue bound
     # counted in the database, acceptance order across servers); None on a server of its own.
     cluster_accept: ClusterAccept | None = None
+    # A server of a cluster: asked when a turn's write failed (runtime/finish.py). True when this
+    # server is cut off from its cluster (the others may have taken the conversation over): the
+    # conversation's open turns here then follow the store, and the turn ends nothing here.
+    cut_off: Callable[[TurnRecord, TurnController], bool] | None = None
 
 
 class ClusterAccept(Protocol):

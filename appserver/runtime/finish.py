@@ -8,7 +8,10 @@ store failure) and still settles and publishes it; the `Finished` outcome says s
 One exception: a commit (or a start) refused because the turn ended elsewhere (`TurnSettledElsewhere`:
 another server of the cluster committed its end first, as a server judged gone mid-commit does
 when it goes on) publishes the end the store holds, read back, never a failure of a turn that
-ended: its clients would send again an input that did run (docs/scale-out.md).
+ended: its clients would send again an input that did run (docs/scale-out.md). Likewise a turn
+whose end (or start) could not be written while its server is cut off from its cluster: the others
+may have taken it over (interrupted it, or run it), so it ends nothing here and its clients hear
+the end the store holds once it can be read (`cut_off`, the kernel's `_cut_off`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class Finished:
     and then `commit_error` is why). `elsewhere`: the turn had ended elsewhere (the commit was
     refused, `commit_error`), and `end` is the end the store holds, published instead.
     `published` is False when nothing was (a turn no runtime holds, that another server holds
-    open now: that server ends it)."""
+    open now: that server ends it; or one not written while its server was cut off from its
+    cluster: its clients get the end the store holds, `_unsaved_cut_off`)."""
 
     end: TurnEnd
     commit_error: Exception | None = None
@@ -65,12 +69,14 @@ async def finish_turn(
     seat: Seat | None = None,
     lease: Lease | None = None,
     refused: TurnSettledElsewhere | None = None,
+    cut_off: Callable[[TurnRecord, TurnController], bool] | None = None,
 ) -> Finished:
     """Commit `end`, settle the turn (record, lifecycle, the settle listeners) and publish its
     terminal or awaiting snapshot. `seat` is None for a turn no runtime holds (crash settle);
     `lease` is None for one that holds no lifecycle (a queued turn withdrawn before it began).
     `refused`: the turn's start was refused so (run.py), and `end` says the store failure; a
-    commit refused so is handled alike (`_ended_elsewhere`)."""
+    commit refused so is handled alike (`_ended_elsewhere`). `cut_off`: asked when the turn could
+    not be written; True when its server is cut off from its cluster (`_unsaved_cut_off`)."""
     commit = end.commit
     failure: Exception | None = None
     if commit is not None:
@@ -104,6 +110,11 @@ async def finish_turn(
         elsewhere = await _ended_elsewhere(store, settled, record, controller, refused, seat=seat, lease=lease)
         if elsewhere is not None:
             return elsewhere
+    unsaved = failure if failure is not None else refused
+    if unsaved is not None and cut_off is not None:
+        left = _unsaved_cut_off(record, controller, end, unsaved, cut_off, seat=seat, lease=lease)
+        if left is not None:
+            return left
     # From here on nothing awaits: no other task sees the turn half settled.
     record.status = end.status
     if end.status == "awaiting" and commit is not None and lease is not None and seat is not None:
@@ -120,6 +131,36 @@ async def finish_turn(
         seat.lifecycle.finish(lease)
     settled(record, controller.snapshot())
     return Finished(end, failure)
+
+
+def _unsaved_cut_off(
+    record: TurnRecord,
+    controller: TurnController,
+    end: TurnEnd,
+    unsaved: Exception,
+    cut_off: Callable[[TurnRecord, TurnController], bool],
+    *,
+    seat: Seat | None,
+    lease: Lease | None,
+) -> Finished | None:
+    """The turn could not be written while its server is cut off from its cluster (`cut_off` says
+    so, and then its conversation's open turns here follow the store): the others may have taken
+    it over, so it is neither settled nor published here. A failure it published would be no end
+    the database holds (a turn the survivor interrupted, or ran and completed) and its client would
+    send its input again. Its lease here is let go (nothing more runs on it). None when this server
+    is not cut off: the turn ends failed, as the store failure it is (a conversation deleted meanwhile
+    too: no store holds an end of it to read)."""
+    if isinstance(unsaved, ConversationGone) or not cut_off(record, controller):
+        return None
+    if lease is not None and seat is not None:
+        seat.lifecycle.finish(lease)
+    log.warning(
+        "turn %s could not be saved while this server is cut off from its cluster (%s): its clients here "
+        "get the end the database holds once it can be read",
+        record.id,
+        unsaved,
+    )
+    return Finished(end, unsaved, published=False)
 
 
 async def _ended_elsewhere(

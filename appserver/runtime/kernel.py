@@ -125,6 +125,10 @@ def interrupted_text(name: str) -> str:
     )
 
 
+# How a turn ended that answered nothing, whose input a keyed retry may re-run (`Kernel._rerun`).
+RERUNNABLE = ("cancelled", "failed", "interrupted")
+
+
 @dataclass(slots=True)
 class SubmitRequest:
     agent: str  # agent id or name
@@ -146,6 +150,11 @@ class SubmitRequest:
     # The caller acknowledges nothing before the turn settles: its accept may commit while the
     # model call is in flight (TurnQueue.enqueue `overlap`).
     overlap_accept: bool = False
+    # A turn that ran this same input and ended without an answer (a keyed HTTP repeat of a request
+    # whose turn a stop, a crash, a failure or a cancel ended): when the input lands right after it
+    # in its conversation, the new turn re-runs that turn's input instead of adding it again
+    # (`Kernel._rerun`).
+    rerun_of: str | None = None
 
 
 @dataclass(slots=True)
@@ -228,7 +237,13 @@ class Kernel:
             self.owner = cluster.instance_id
             accept = getattr(self.store, "accept_in_cluster", None)
             self._deps = RuntimeDeps(
-                self.store, self.config, self.agent_loop, self.owner, self._turn_settled, cluster_accept=accept
+                self.store,
+                self.config,
+                self.agent_loop,
+                self.owner,
+                self._turn_settled,
+                cluster_accept=accept,
+                cut_off=self._cut_off,
             )
             self._link = ClusterLink(self, cluster)
             cluster.on_lost = self._taken_over
@@ -604,7 +619,7 @@ class Kernel:
         controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=published - 1)
         if shown:
             controller.load_messages(shown)
-        finished = await finish_turn(self.store, self._turn_settled, turn, controller, end)
+        finished = await finish_turn(self.store, self._turn_settled, turn, controller, end, cut_off=self._deps.cut_off)
         if finished.elsewhere:
             return False
         if finished.commit_error is not None:
@@ -934,6 +949,24 @@ class Kernel:
             except Exception:
                 log.exception("a listener for this server being judged gone failed")
 
+    def _cut_off(self, record: TurnRecord, controller: TurnController) -> bool:
+        """A turn's write failed (runtime/finish.py): is this server cut off from its cluster (its
+        session away, or fenced), so that the others may have taken the conversation over? Then
+        the turn and those queued behind it leave its runtime here and follow the store as mirrors
+        (`ClusterLink.follow_elsewhere`), as a server judged gone follows its turns: each client
+        hears how its turn really ended (interrupted by a take-over, or run and completed there, or
+        failed as this server writes it once back and still holding the conversation), never a
+        failure of a turn another server settled. Nothing starts in the meantime: the runtime
+        holds no turn until a catch-up queues them again (once back, if still its holder)."""
+        link = self._link
+        if link is None or not link.cluster.cut_off:
+            return False
+        rt = self.runtimes.get(record.conversation_id)
+        if rt is not None:
+            for handle in rt.let_go_unsaved(record.id, controller):
+                link.follow_elsewhere(handle)
+        return True
+
     async def submit(self, req: SubmitRequest) -> Submission:
         self._check_not_fenced()
         known = req.resolved
@@ -1007,6 +1040,8 @@ class Kernel:
                 rt = await self.runtime(conv_id)
         except OwnedElsewhere as elsewhere:
             rt, holder = None, elsewhere.holder
+        # (no await from here to the enqueue: a re-run is the next turn of its conversation)
+        rerun = await self._rerun(req, agent, content, rt) if req.rerun_of and rt is not None else None
         record = TurnRecord(
             id=new_id("turn"),
             conversation_id=conv_id,
@@ -1017,6 +1052,9 @@ class Kernel:
             client_tools=[t.to_record() for t in req.client_tools] if req.client_tools else [],
             options=dict(req.options),
         )
+        if rerun is not None:  # its input is in the history already, once: this turn answers it
+            record.input["rerun_of"] = rerun
+            record.input_committed = True
         if COUNTED_FOR in record.options:
             record.options[COUNTED_AT] = self.owner  # this server's endpoint counts it
         try:
@@ -1033,6 +1071,34 @@ class Kernel:
             self._check_not_fenced()
             raise
         return Submission(record.id, conv_id, agent.id, position, False, handle)
+
+    async def _rerun(
+        self, req: SubmitRequest, agent: AgentRecord, content: str | list[dict[str, Any]], rt: ConversationRuntime
+    ) -> str | None:
+        """The turn whose input the new turn re-runs rather than adding it again: turn
+        `req.rerun_of` ran the same input (`content`, system messages) for this agent in this
+        conversation and ended without an answer (stopped, crashed, failed, cancelled); its input
+        (its own, or the one it re-ran in turn: the turn that wrote it) is the history's last,
+        with nothing running, waiting or queued (checked last, with no await before the enqueue).
+        So a keyed retry leaves the input in its conversation once, answered by the new turn
+        (docs/openai.md, Idempotency-Key); the cut-off reply stays in the history, out of the
+        model's view (`history.model_view`). None: the input is added as any other."""
+        earlier = await self.store.get_turn(req.rerun_of) if req.rerun_of else None
+        if (
+            earlier is None
+            or earlier.conversation_id != rt.conversation_id
+            or earlier.agent_id != agent.id
+            or earlier.status not in RERUNNABLE
+            or "input" in earlier.damaged
+            or earlier.input.get("content") != content
+            or (earlier.input.get("system") or []) != [dict(m) for m in req.system]
+        ):
+            return None
+        wrote = earlier.input.get("rerun_of")
+        wrote = wrote if isinstance(wrote, str) else earlier.id
+        if not await rt.ends_with(wrote) or self.runtimes.get(rt.conversation_id) is not rt:
+            return None
+        return wrote
 
     async def _discard_unused(self, conversation_id: str) -> None:
         """Remove a conversation `submit` made ("new") into which no turn landed: only while it is

@@ -340,8 +340,23 @@ class TurnQueue:
         self._renumber()
         controller = item.handle.controller
         end = withdrawn(turn_id, controller.revision + 1, why)
-        await self._runner.finish(item.record, controller, None, end)
+        finished = await self._runner.finish(item.record, controller, None, end)
+        if not finished.published and finished.commit_error is not None:
+            # not saved, this server cut off from its cluster: the turn may run elsewhere (its
+            # clients here follow it in the store), so no cancel is acknowledged
+            raise finished.commit_error
         return True
+
+    def drain(self) -> list[TurnHandle]:
+        """Take out every queued turn whose accept committed, and return their handles: this
+        server is cut off from its cluster and another may run them (`Kernel._cut_off`). Their
+        rows stay queued in the store, so a server holding the conversation queues them again (this
+        one too, once back and still holding it: they are unknown here from now on). An overlapped
+        accept still committing stays: not in the store, its turn ends here as it fails."""
+        taken = [q for q in self._items if q.accepting is None]
+        self._items = deque(q for q in self._items if q.accepting is not None)
+        self._renumber()
+        return [q.handle for q in taken]
 
     def _renumber(self) -> None:
         for i, q in enumerate(self._items):

@@ -21,7 +21,7 @@ from appserver.runtime.board import TurnBoard
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.finish import Finished, Seat, finish_turn
 from appserver.runtime.handle import TurnHandle
-from appserver.runtime.history import History
+from appserver.runtime.history import History, last_input, model_view
 from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers, Resume
 from appserver.runtime.settle import (
@@ -67,6 +67,24 @@ async def require_accepted(accepting: asyncio.Task[None]) -> None:
     not_accepted = await accept_failure(accepting)
     if not_accepted is not None:
         raise StoreError(f"the turn could not be saved before its tools ran: {not_accepted}")
+
+
+def rerun_of(record: TurnRecord, history: list[MessageRecord]) -> str | None:
+    """The turn whose input `record` re-runs (`Kernel._rerun`), when that input is still the
+    history's last: the model answers it, without the cut-off reply before (`model_view`)."""
+    earlier = record.input.get("rerun_of")
+    if not isinstance(earlier, str) or last_input(history) != earlier:
+        return None
+    return earlier
+
+
+def lost_rerun(record: TurnRecord, history: list[MessageRecord], rerun: str | None) -> bool:
+    """A re-run accepted right after the input it re-runs that finds another input after it when
+    it begins (another server of a cluster accepted one first): its input is written as any
+    turn's, or it would answer the other one."""
+    if not isinstance(record.input.get("rerun_of"), str) or rerun is not None:
+        return False
+    return not any(m.turn_id == record.id for m in history)
 
 
 class TurnRunner:
@@ -156,8 +174,9 @@ class TurnRunner:
         self, record: TurnRecord, controller: TurnController, lease: Lease | None, end: TurnEnd
     ) -> Finished:
         """`finish_turn` in this conversation."""
+        deps = self._deps
         return await finish_turn(
-            self._deps.store, self._deps.settled, record, controller, end, seat=self._seat, lease=lease
+            deps.store, deps.settled, record, controller, end, seat=self._seat, lease=lease, cut_off=deps.cut_off
         )
 
     async def run(
@@ -217,18 +236,19 @@ class TurnRunner:
             if agent is None:  # deleted, and the conversation with it (by another process)
                 self.gone = f"its agent {record.agent_id} was deleted"
                 raise ConversationGone(self._conversation_id)
+            rerun = rerun_of(record, history) if resume is None else None
             work = TurnWork(
                 agent=agent,
                 conversation_id=self._conversation_id,
                 turn_id=record.id,
-                history=list(history),
+                history=model_view(history, rerun),
                 to_chat=self._history.chat,
                 client_tools=[ToolSpec.from_record(t) for t in record.client_tools] if record.client_tools else [],
                 options=record.options,
                 iteration=record.iteration,
                 usage=dict(record.usage),
             )
-            if not record.input_committed:
+            if not record.input_committed or (resume is None and lost_rerun(record, history, rerun)):
                 work.new_messages.extend(input_messages(record))
             if accepting is not None:
                 work.before_effects = partial(require_accepted, accepting)
@@ -332,7 +352,15 @@ class TurnRunner:
         else:
             end = loop_end(record.id, work, outcome, controller.revision + 1)
         await finish_turn(
-            deps.store, deps.settled, record, controller, end, seat=self._seat, lease=lease, refused=refused
+            deps.store,
+            deps.settled,
+            record,
+            controller,
+            end,
+            seat=self._seat,
+            lease=lease,
+            refused=refused,
+            cut_off=deps.cut_off,
         )
 
     async def _end_damaged(

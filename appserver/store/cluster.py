@@ -244,6 +244,26 @@ class Cluster:
         # its heartbeat not renewed (a session that hangs): judged gone at the timeout, lock or not
         return now - self._beat_ok > self.instance_timeout_s - self.heartbeat_s
 
+    @property
+    def fenced_in(self) -> float:
+        """Seconds until this server is `fenced` unless its heartbeat is renewed (or its session
+        taken again) meanwhile; 0 when it is. Its gateway takes messages no longer than this."""
+        if self.lost:
+            return 0.0
+        now = time.monotonic()
+        left = self._beat_ok + self.instance_timeout_s - self.heartbeat_s - now
+        if self._down_since is not None:
+            left = min(left, self._down_since + self.heartbeat_s * 2.5 - now)
+        return max(0.0, left)
+
+    @property
+    def cut_off(self) -> bool:
+        """May the others have taken this server's conversations over without its knowing? Fenced,
+        or its session away at all: the others judge it gone by its free lock once the grace has
+        passed, and it cannot tell until its session is back. A turn whose write fails now is not
+        told it failed (runtime/finish.py): its end is read from the database once it can be."""
+        return self._down_since is not None or self.fenced
+
     def answering(self, since: float) -> bool:
         """Has the database renewed this server's heartbeat since `since` (monotonic), or not yet
         been given 2.5 heartbeats (at least READ_WAIT_MIN_S) to?"""

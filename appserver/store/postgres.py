@@ -32,7 +32,7 @@ import socket
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any, TypeVar
 
 import psycopg
@@ -516,6 +516,11 @@ class PostgresStore(Store):
         # (for all of connect_timeout_s, nobody else getting one meanwhile) began: see `unreachable`.
         self._reached_at = time.monotonic()
         self._unreached_at: float | None = None
+        # Held by a read on a connection of its own (`_connection_within`): one at a time. And when
+        # the pool last handed out a connection: a read opens its own only when it has not since
+        # the read began (the pool empty after an outage, not busy).
+        self._own_read = asyncio.Lock()
+        self._pooled_at = time.monotonic()
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.shown_url!r})"
@@ -692,31 +697,38 @@ class PostgresStore(Store):
                 await asyncio.sleep(0.05)
 
     @asynccontextmanager
-    async def _connection_within(self, wait_s: float) -> AsyncIterator[Conn]:
+    async def _connection_within(self, wait_s: float, own: asyncio.Lock | None = None) -> AsyncIterator[Conn]:
         """A pooled connection within `wait_s`, or else a new one of the writer's own (configured as
         the pool's, closed after use), tried whenever the pool had none for POOL_SLICE_S: after an
         outage the pool reconnects on a backoff of its own (1, 2, 4, 8 s apart), and a write that
         waited for it alone failed although the database was back (a turn's commit: its whole
-        answer lost). The writer runs one group at a time, so this opens one connection at most.
-        PoolTimeout when neither came within `wait_s` (a new one is tried at least once)."""
-        deadline = time.monotonic() + wait_s
+        answer lost). The writer runs one group at a time, so this opens one connection at most;
+        a reader passes `own`, held while it uses a connection of its own (the others wait for the
+        pool meanwhile), so the reads open one at most too, and only while the pool hands out none
+        (busy, it hands them out to others). PoolTimeout when neither came within `wait_s` (a new
+        one is tried at least once, by the writer)."""
+        began = time.monotonic()
+        deadline = began + wait_s
         while True:
             try:
                 pooled = await self.pool.getconn(timeout=max(0.01, min(POOL_SLICE_S, deadline - time.monotonic())))
             except PoolTimeout:
                 pass
             else:
+                self._pooled_at = time.monotonic()
                 try:
                     async with pooled:
                         yield pooled
                 finally:
                     await self.pool.putconn(pooled)
                 return
-            fresh = await self._fresh_connection(max(FRESH_CONNECT_S, deadline - time.monotonic()))
-            if fresh is not None:
-                async with fresh:  # closed on leaving
-                    yield fresh
-                return
+            if own is None or (not own.locked() and self._pooled_at < began):
+                async with own if own is not None else nullcontext():
+                    fresh = await self._fresh_connection(max(FRESH_CONNECT_S, deadline - time.monotonic()))
+                    if fresh is not None:
+                        async with fresh:  # closed on leaving
+                            yield fresh
+                        return
             if time.monotonic() >= deadline:
                 raise PoolTimeout(f"couldn't get a connection after {wait_s:.2f} sec")
 
@@ -753,7 +765,10 @@ class PostgresStore(Store):
         for attempt in range(attempts):
             began = time.monotonic()
             try:
-                async with self.pool.connection() as conn:
+                # (not the pool's alone: after an outage it waits out its reconnect backoff, and a
+                # read, a mirror's of a turn this server could not write, failed although the
+                # database was back: `_connection_within`)
+                async with self._connection_within(self.connect_timeout_s, self._own_read) as conn:
                     try:
                         result = await run(conn)
                         self._reached_at = time.monotonic()
@@ -1240,7 +1255,8 @@ class PostgresStore(Store):
                 )
         await conn.execute(
             "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, "
-            "client_tools, options, owner, created_at, started_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+            "client_tools, options, owner, created_at, started_at, input_committed) "
+            "VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
             (
                 turn.id,
                 turn.conversation_id,
@@ -1254,6 +1270,7 @@ class PostgresStore(Store):
                 turn.owner,
                 turn.created_at,
                 turn.started_at,  # a turn that runs at once starts as it is accepted
+                turn.input_committed,  # a re-run's input is in the history already (Kernel._rerun)
             ),
         )
 

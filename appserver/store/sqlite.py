@@ -847,7 +847,7 @@ class SQLiteStore(Store):
             )
         tx.execute(
             "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, client_tools, "
-            "options, owner, created_at, started_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            "options, owner, created_at, started_at, input_committed) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 turn.id,
                 turn.conversation_id,
@@ -861,6 +861,7 @@ class SQLiteStore(Store):
                 turn.owner,
                 turn.created_at,
                 turn.started_at,  # a turn that runs at once starts as it is accepted
+                int(turn.input_committed),  # a re-run's input is in the history already (Kernel._rerun)
             ),
         )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from appserver.procid import identity_alive, process_start_ticks
+from appserver.sqlitewal import side_link_problem
 
 log = logging.getLogger("appserver.fs")
 
@@ -219,20 +220,16 @@ SQLITE_SIDE_FILES = (("-wal", "write-ahead log"), ("-shm", "shared-memory index"
 
 def check_sqlite_side_files(db: Path) -> None:
     """Refuse, before SQLite opens `db`, a `-wal`, `-shm` or `-journal` beside it that is not a
-    regular file or is a symbolic link (to anything: SQLite opens none through a link and says only
-    "unable to open database file"): SQLite would open the database read-only without
+    regular file or is a symbolic link (to anything, or to nothing: SQLite opens none through a link
+    and says only "unable to open database file"): SQLite would open the database read-only without
     a word, its first write failing with "attempt to write a readonly database" naming no file (a
     directory `-shm`), or create the link's target. StateFileRefused naming it; left in place."""
     real = Path(os.path.realpath(db))
     for suffix, role in SQLITE_SIDE_FILES:
         side = real.with_name(real.name + suffix)
-        if side.is_symlink() and side.exists():  # SQLite opens these with O_NOFOLLOW (a link to nothing: below)
-            raise StateFileRefused(
-                side,
-                f"a symbolic link (to {os.readlink(side)}), not a regular file: SQLite keeps {real.name}'s {role} "
-                "here and never opens it through a link; it was left in place (never moved aside): put the file "
-                "itself there or move the link away, then start again",
-            )
+        link = side_link_problem(side, real.name, role)  # said as for gateway.db's (appserver/sqlitewal.py)
+        if link is not None:
+            raise StateFileRefused(side, link)
         st = state_file_stat(side)
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise StateFileRefused(

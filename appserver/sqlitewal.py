@@ -9,9 +9,12 @@ reads the header. The rest is judged by what can be proven:
   any connection opens the database, whose first read recovers and rewrites it) says how many frames
   were committed (`mxFrame`: SQLite advances it only once a commit is wholly written). A WAL of that
   generation that is shorter, missing or re-headed (`wal_index_problem`), or of which recovery keeps
-  fewer frames (`inspect_wal`), lost committed transactions. Frames after that `mxFrame` that fail
-  their checksum are a write cut off before its commit returned (kill -9, a torn write at power
-  loss): sound.
+  fewer frames (`inspect_wal`), lost committed transactions. That holds even when the index says
+  every frame was already copied into the database (`nBackfill`): recovery resets that count and
+  serves the pages of the frames it keeps, older versions of pages the database holds newer, and
+  the next checkpoint copies them back over it. Only a recovery that keeps no frame at all leaves
+  such a database as it was. Frames after that `mxFrame` that fail their checksum are a write cut
+  off before its commit returned (kill -9, a torn write at power loss): sound.
 - Without a usable crash-time index (deleted, of another generation, half written), `inspect_wal`
   scans the frames SQLite discards for commit frames of the current generation whose own checksum
   holds (seeded from the frame before): each is a committed transaction. This finds a damaged frame
@@ -19,8 +22,11 @@ reads the header. The rest is judged by what can be proven:
   commit frame a crash cut off half written, nor a WAL cut short at a frame boundary: those are
   proven only by the crash-time index.
 
-Standard library only: the server's store (`appserver/store/integrity.py`) and the gateway's ledger
-(`gateway/db.py`, which may import nothing else of the server's) both use it.
+`wal_loss` puts these together (and `wal_header_problem` first, whatever the index says: a log whose
+header is damaged is dropped whole, and without a usable index nothing tells what was in it). The
+server's store (`appserver/store/integrity.py`) and the gateway's ledger (`gateway/db.py`, which may
+import nothing else of the server's) both judge their database with it, so both say the same; so
+does `side_link_problem` for a `-wal`/`-shm` that is a symbolic link. Standard library only.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import logging
 import os
 import sqlite3
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +52,29 @@ log = logging.getLogger("appserver.sqlitewal")
 T = TypeVar("T")
 
 
-class WalIndexUnreadable(Exception):
-    """The wal-index (`-shm`) could not be read reliably after recovery: the WAL was not judged."""
-
-
 @dataclass(frozen=True, slots=True)
 class WalReport:
     frames: int  # whole frames in the file
     recovered: int  # frames SQLite uses (the rest it discards)
     lost_commits: int  # committed transactions among the discarded frames
     indexed: int | None = None  # frames the crash-time index says were committed (None: no usable index)
+    copied: bool = False  # the index says every one of them was copied into the database already
+
+    @property
+    def rolls_back(self) -> bool:
+        """SQLite would serve older page versions from the frames it keeps (and checkpoint them
+        back over the database's newer ones): what it drops was already copied, not lost alone."""
+        return self.copied and self.indexed is not None and 0 < self.recovered < self.indexed
+
+
+@dataclass(frozen=True, slots=True)
+class WalLoss:
+    """Committed changes SQLite would drop without a word on opening the database. `problem` says
+    how its `-wal` is wrong and what SQLite would do (it follows "the write-ahead log <name> ");
+    `label` is a short name for it (the copy of the files a caller keeps)."""
+
+    problem: str
+    label: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +161,11 @@ def open_read_only(db: Path, timeout: float = 10.0) -> sqlite3.Connection:
 
 def _checksum(data: bytes, order: str, seed: tuple[int, int]) -> tuple[int, int]:
     """SQLite's WAL checksum of `data` (words in `order`: "<" or ">"), continuing from `seed`."""
-    words = struct.unpack(f"{order}{len(data) // 4}I", data)
+    words = iter(struct.unpack(f"{order}{len(data) // 4}I", data))
     s0, s1 = seed
-    for i in range(0, len(words), 2):
-        s0 = (s0 + words[i] + s1) & 0xFFFFFFFF
-        s1 = (s1 + words[i + 1] + s0) & 0xFFFFFFFF
+    for a, b in zip(words, words, strict=False):  # word pairs (the fastest loop: it runs over every frame)
+        s0 = (s0 + a + s1) & 0xFFFFFFFF
+        s1 = (s1 + b + s0) & 0xFFFFFFFF
     return s0, s1
 
 
@@ -199,39 +219,58 @@ def read_wal_index(db: Path) -> WalIndex | None:
 
 def wal_index_problem(db: Path, index: WalIndex | None) -> tuple[str, str] | None:
     """(what is wrong, a short label) when `db`'s WAL cannot be the one its crash-time `index`
-    describes with frames not yet in the database: missing, shorter than those frames, or headed by
-    anything but that generation's header. A kill -9 writes frames (after the header) before it
-    indexes them, so none of these is a crash's doing: committed transactions were lost after it
-    (deleted, truncated, damaged or replaced). None: no such index, or the WAL can be it."""
-    if index is None or not index.pending:
+    describes: with frames not yet in the database, missing, shorter than those frames, or headed by
+    anything but that generation's header; with frames at all, headed by another generation's header
+    and holding a frame (SQLite would serve that log's pages over the database). A kill -9 writes
+    frames (after the header) before it indexes them, and restarts the index (no frames, a new
+    generation) before it writes a log's new header, so none of these is a crash's doing: committed
+    transactions were lost after it (deleted, truncated, damaged or replaced). None: no such index,
+    or the WAL can be it (a log shorter than an index whose frames were all copied: `inspect_wal`)."""
+    if index is None or not index.mx_frame:
         return None
     wal, needed = wal_path(db), index.wal_bytes
     try:
         size = wal.stat().st_size
-        if size < needed:
+        if size < needed and index.pending:
             return f"is shorter than it was ({size} of {needed} bytes)", f"wal-{size}-of-{needed}"
         with open(wal, "rb") as f:
             header = f.read(WAL_HEADER)
     except FileNotFoundError:
-        return "is missing", f"wal-missing-of-{needed}"
+        return ("is missing", f"wal-missing-of-{needed}") if index.pending else None
     except OSError:  # unreadable: not judged here (SQLite's open fails, naming it)
         return None
     problem = wal_header_problem(header)
-    if problem is None and header[16:24] != index.salt:
-        problem = "has the header of another WAL generation than its index"
-    return None if problem is None else (problem, f"wal-header-{size}")
+    if problem is not None:
+        return (problem, f"wal-header-{size}") if index.pending else None
+    holds_a_frame = size >= WAL_HEADER + FRAME_HEADER + struct.unpack(">I", header[8:12])[0]
+    if header[16:24] != index.salt and (index.pending or holds_a_frame):
+        return "has the header of another WAL generation than its index", f"wal-header-{size}"
+    return None
 
 
-def recovered_frames(db: Path, conn: sqlite3.Connection, salt: bytes) -> int | None:
-    """mxFrame from the wal-index header read after `conn` made SQLite recover the WAL. None when
-    it cannot be read reliably."""
-    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # a read: SQLite recovers the WAL
-    index = read_wal_index(db)
-    if index is None:
-        return None
-    if index.salt != salt:  # the index describes another WAL generation: SQLite ignored this one
+def recovered_frames(f: BinaryIO, header: bytes, frames: int, frame_size: int) -> int:
+    """How many of a WAL's `frames` SQLite's recovery keeps (its walIndexRecover, as the file format
+    says): from the first on, the frames of the header's generation whose checksum, carried on from
+    the header's through every frame before, holds, up to the last commit frame among them; none when
+    the header's own checksum fails. Read here rather than by letting SQLite recover: its recovery
+    rewrites the `-shm`, the crash-time evidence that the next start (and the copy kept of the
+    files) needs to see the same loss again."""
+    magic = struct.unpack(">I", header[:4])[0]
+    if not header_checksum_ok(header, magic):
         return 0
-    return index.mx_frame
+    order, salt, seed = _order(magic), header[16:24], struct.unpack(">2I", header[24:32])
+    kept = 0
+    f.seek(WAL_HEADER)
+    for i in range(frames):
+        frame = f.read(frame_size)
+        if len(frame) < frame_size or frame[8:16] != salt or not struct.unpack_from(">I", frame)[0]:
+            break
+        seed = _checksum(frame[:8] + frame[FRAME_HEADER:], order, seed)
+        if seed != struct.unpack_from(">2I", frame, 16):
+            break
+        if struct.unpack_from(">I", frame, 4)[0]:
+            kept = i + 1
+    return kept
 
 
 def _frame(f: BinaryIO, i: int, frame_size: int, length: int | None = None) -> bytes:
@@ -270,14 +309,14 @@ def _indexed_commits(f: BinaryIO, salt: bytes, start: int, end: int, frame_size:
     return max(1, flagged)
 
 
-def inspect_wal(db: Path, conn: sqlite3.Connection, index: WalIndex | None = None) -> WalReport | None:
+def inspect_wal(db: Path, index: WalIndex | None = None) -> WalReport | None:
     """What SQLite will keep of `db`'s WAL (None: no WAL, or nothing to judge: no frames, or a
-    header SQLite ignores, which `wal_header_problem` names). Call with `conn` (read-only, just
-    opened) being the only connection: its first read runs the recovery. `index`: the crash-time
-    wal-index (`read_wal_index`, read before `conn` opened); when it is of this WAL's generation,
-    recovery keeping fewer frames than it says were committed is a loss, and frames after it are
-    an uncommitted write. Whole commit frames after what recovery keeps are counted either way.
-    `WalIndexUnreadable` when the recovered index cannot be read."""
+    header SQLite ignores, which `wal_header_problem` names), read from the files alone: nothing
+    is opened through SQLite, nothing written. `index`: the crash-time wal-index (`read_wal_index`);
+    when it is of this WAL's generation, recovery keeping fewer frames than it says were committed
+    is a loss (also when it says all of them were copied into the database, unless recovery keeps
+    none), and frames after it are an uncommitted write. Whole commit frames after what recovery
+    keeps are counted either way."""
     wal = wal_path(db)
     try:
         size = wal.stat().st_size
@@ -293,16 +332,104 @@ def inspect_wal(db: Path, conn: sqlite3.Connection, index: WalIndex | None = Non
             if frames <= 0:
                 return None
             salt = header[16:24]
-            recovered = recovered_frames(db, conn, salt) if header_checksum_ok(header, magic) else 0
-            if recovered is None:
-                raise WalIndexUnreadable(f"could not read the WAL index of {db}")
+            recovered = recovered_frames(f, header, frames, frame_size)
             lost = _whole_commits(f, header, recovered, frames, frame_size)
             crash = index if index is not None and index.salt == salt and index.page_size in (0, page_size) else None
-            if crash is not None and crash.mx_frame > max(recovered, crash.backfilled):
+            # Fewer frames kept than committed lose them, copied or not: recovery serves the older
+            # page versions of the frames it keeps (none kept: the database file, which has them all)
+            if crash is not None and crash.mx_frame > recovered and (recovered or crash.pending):
                 lost = max(lost, _indexed_commits(f, salt, recovered, min(crash.mx_frame, frames), frame_size))
     except FileNotFoundError:
         return None
-    return WalReport(frames, recovered, lost, None if crash is None else crash.mx_frame)
+    if crash is None:
+        return WalReport(frames, recovered, lost)
+    return WalReport(frames, recovered, lost, crash.mx_frame, copied=not crash.pending)
+
+
+def wal_loss(db: Path, index: WalIndex | None) -> WalLoss | None:
+    """What committed changes SQLite would drop without a word when it next opens `db`, judged
+    against its crash-time `index` (`read_wal_index`, read by the caller before anything opened
+    `db`); None when it keeps them all, or when a connection has `db` open (its index is the one
+    in use: nothing is recovered, nothing dropped). In this order: a non-empty log whose header
+    SQLite ignores (whatever the index says: with none, nothing else tells what was in it), a log
+    that cannot be the one the index describes (`wal_index_problem`), the frames recovery would
+    discard (`inspect_wal`). Read from the files alone: a refused start leaves them, the `-shm`
+    included, as they were, so the next one finds the same."""
+    if attached_elsewhere(db):
+        return None
+    wal = wal_path(db)
+    try:
+        size = wal.stat().st_size
+        with open(wal, "rb") as f:
+            problem = wal_header_problem(f.read(WAL_HEADER)) if size else None
+    except FileNotFoundError:  # none, or removed by another process's last connection (checkpointed)
+        size, problem = 0, None
+    except OSError:  # unreadable: SQLite's open fails, naming it
+        return None
+    found = wal_index_problem(db, index) if problem is None else None
+    if problem is not None:
+        loss: WalLoss | None = _header_loss(db, size, problem, index)
+    elif found is not None:
+        loss = WalLoss(
+            f"{found[0]}, but its index ({shm_path(db).name}) says it held {index.pending if index else 0} "
+            "committed frame(s) not yet in the database: SQLite would drop them",
+            found[1],
+        )
+    else:
+        loss = _frames_loss(db, index) if size else None
+    return None if loss is None or attached_elsewhere(db) else loss  # (one opened meanwhile may have written)
+
+
+def _header_loss(db: Path, size: int, problem: str, index: WalIndex | None) -> WalLoss:
+    """A header SQLite ignores: the whole log is dropped (with the frames a usable index counts)."""
+    due = ""
+    if index is not None and index.pending:
+        shm = shm_path(db).name
+        due = f"; its index ({shm}) says it held {index.pending} committed frame(s) not yet in the database"
+    return WalLoss(f"({size} bytes) {problem}: SQLite would drop every change in it{due}", f"wal-header-{size}")
+
+
+def _frames_loss(db: Path, index: WalIndex | None) -> WalLoss | None:
+    """The committed transactions recovery would discard, in words; None when it keeps them all."""
+    try:
+        report = inspect_wal(db, index)
+        st = wal_path(db).stat()  # the copy is named after the log's last write: every refusal reuses it
+    except OSError:  # unreadable, or gone meanwhile: the next open says which
+        return None
+    if report is None or not report.lost_commits:
+        return None
+    label = time.strftime("%Y%m%dT%H%M%S", time.gmtime(st.st_mtime)) + f"-{st.st_size}"
+    return WalLoss(_frames_problem(db, report), label)
+
+
+def _frames_problem(db: Path, report: WalReport) -> str:
+    """What recovery would do, in words; a rollback to frames already copied is said as such."""
+    kept = f"is damaged: SQLite would keep {report.recovered} of its {report.frames} frames"
+    if report.rolls_back:
+        return (
+            f"{kept}, fewer than the {report.indexed} its index ({shm_path(db).name}) says were committed, all "
+            f"already copied into the database: it would serve the older versions of pages the kept frames "
+            f"hold (and copy them back over the newer ones), dropping {report.lost_commits} committed "
+            "transaction(s)"
+        )
+    said = "" if report.indexed is None else f" (its index says {report.indexed} were committed)"
+    return f"{kept}{said} and drop {report.lost_commits} committed transaction(s) after them"
+
+
+def side_link_problem(side: Path, db_name: str, role: str) -> str | None:
+    """What is wrong with `side`, the file SQLite keeps `db_name`'s `role` in, when it is a symbolic
+    link (to a file or to nothing: SQLite opens it only as itself, O_NOFOLLOW, and says just "unable
+    to open database file"); None when it is no link. Said the same for every database."""
+    try:
+        target = os.readlink(side)
+    except OSError:  # not a link, or gone
+        return None
+    nothing = "" if os.path.exists(side) else ", which does not exist"
+    return (
+        f"a symbolic link to {target}{nothing}, not a regular file: SQLite keeps {db_name}'s {role} here and never "
+        "opens it through a link; it was left in place (never moved aside): put the file itself there or move the "
+        "link away, then start again"
+    )
 
 
 def shm_lock_holders(db: Path) -> set[int]:

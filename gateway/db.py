@@ -19,18 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from appserver.sqlitewal import (
-    WAL_HEADER,
-    WalIndex,
-    WalIndexUnreadable,
-    attached_elsewhere,
-    inspect_wal,
-    judged_while_still,
-    open_read_only,
-    read_wal_index,
-    wal_header_problem,
-    wal_index_problem,
-)
+from appserver.sqlitewal import judged_while_still, read_wal_index, side_link_problem, wal_loss, wal_path
 from plugins.contract import env_seconds
 from plugins.loader import atomic_write_text, move_aside
 
@@ -379,63 +368,12 @@ def _wal_damage(path: Path) -> str | None:
 
 def _wal_damage_now(path: Path) -> str | None:
     """What is wrong with the ledger's `-wal`, when SQLite would drop changes committed in it
-    without a word (its header damaged or cut short: the whole log; missing, cut short or re-headed
-    although the crash-time index says it held committed frames; a bad frame: the commits after
-    it), then overwrite it; None when it is sound, empty or absent, or when a connection has the
-    ledger open (its index is the one in use: nothing is recovered, nothing dropped). Judged before
-    a writer opens the ledger: the crash-time index (`-shm`) is read first, since the first
-    connection recovers the WAL and rewrites it; the frames through a read-only one (`inspect_wal`)."""
-    if attached_elsewhere(path):
-        return None
-    wal = path.with_name(path.name + "-wal")
-    index = read_wal_index(path)
-    try:
-        size = wal.stat().st_size
-        with open(wal, "rb") as f:
-            problem = wal_header_problem(f.read(WAL_HEADER)) if size else None
-    except OSError:  # none, removed by another process's last connection (checkpointed), or unreadable
-        size, problem = None, None
-    if problem is None:
-        lost = wal_index_problem(path, index)
-        if lost is None:
-            return _wal_commits_dropped(path, wal, index) if size else None
-        problem = (
-            f"{lost[0]}, but its index ({path.name}-shm) says it held {index.pending if index else 0} committed "
-            "frame(s) not yet in the ledger: SQLite would drop them"
-        )
-        return _unless_attached(path, f"its write-ahead log {wal.name} {problem}")
-    return _unless_attached(
-        path, f"its write-ahead log {wal.name} ({size} bytes) {problem}: SQLite would drop every change in it"
-    )
-
-
-def _unless_attached(path: Path, damage: str) -> str | None:
-    """`damage`, unless another process opened the ledger meanwhile (and may have been writing)."""
-    return None if attached_elsewhere(path) else damage
-
-
-def _wal_commits_dropped(path: Path, wal: Path, index: WalIndex | None) -> str | None:
-    """The committed transactions SQLite would drop from a WAL with a sound header (a frame that
-    fails its checksum ends what it recovers), judged against the crash-time `index`, in words;
-    None when it keeps every one."""
-    try:
-        conn = open_read_only(path, timeout=env_seconds(BUSY_TIMEOUT_ENV, BUSY_TIMEOUT_S))
-        try:
-            report = inspect_wal(path, conn, index)
-        finally:
-            conn.close()  # read-only: the WAL is neither checkpointed nor removed
-    except WalIndexUnreadable:
-        log.warning("could not read the write-ahead log index of %s; its write-ahead log was not checked", path)
-        return None
-    except (sqlite3.Error, OSError):  # busy, unreadable, or the file itself damaged: the writer's open says which
-        return None
-    if report is None or not report.lost_commits or attached_elsewhere(path):
-        return None  # (a connection that opened meanwhile may have changed what was read)
-    said = "" if report.indexed is None else f" (its index says {report.indexed} were committed)"
-    return (
-        f"its write-ahead log {wal.name} is damaged: SQLite would keep {report.recovered} of its "
-        f"{report.frames} frames{said} and drop {report.lost_commits} committed transaction(s) after them"
-    )
+    without a word (appserver/sqlitewal.py's `wal_loss`, which judges appserver.db the same way);
+    None when it keeps them all, or when a connection has the ledger open. Judged before a writer
+    opens the ledger, against the crash-time index (`-shm`), read first: the first connection
+    recovers the WAL and rewrites it."""
+    loss = wal_loss(path, read_wal_index(path))
+    return None if loss is None else f"its write-ahead log {wal_path(path).name} {loss.problem}"
 
 
 def _watch(conn: _LedgerConnection, asked: Path, file: Path) -> None:
@@ -714,7 +652,7 @@ def _ledger_file(path: Path) -> Path:
     real = Path(os.path.realpath(path))
     for suffix, role in SIDE_FILES:
         side = real.with_name(real.name + suffix)
-        st = _side_stat(side)
+        st = _side_stat(side, real.name, role)
         if st is not None:  # SQLite would open the ledger read-only in silence, or fail naming no file
             _check_regular(side, st, f"SQLite keeps {real.name}'s {role} here and cannot use this one")
     return real
@@ -755,21 +693,17 @@ def _target_moved_aside(path: Path) -> bool:
     return any(name.startswith(f"{target.name}.corrupt-") for name in names)
 
 
-def _side_stat(side: Path) -> os.stat_result | None:
+def _side_stat(side: Path, db_name: str, role: str) -> os.stat_result | None:
     """lstat(2) of a file SQLite keeps beside the ledger: it opens them only when they are no link
-    (O_NOFOLLOW), and fails naming no file. A link is refused here, naming it and where it leads."""
+    (O_NOFOLLOW), and fails naming no file. A link is refused here, naming it and where it leads
+    (`side_link_problem`: said as for appserver.db's)."""
     try:
         st = os.lstat(side)
     except FileNotFoundError:
         return None
-    if stat.S_ISLNK(st.st_mode):
-        _refuse_dangling(side)  # a link to nothing: named as such
-        raise LedgerFileRefused(
-            side,
-            f"a symbolic link to {os.readlink(side)}, not a regular file: SQLite never opens the files it keeps "
-            "beside the ledger through a link; it was left in place (never moved aside): replace the link with the "
-            "file it points to (or move it away), then start again",
-        )
+    problem = side_link_problem(side, db_name, role) if stat.S_ISLNK(st.st_mode) else None
+    if problem is not None:
+        raise LedgerFileRefused(side, problem)
     return st
 
 

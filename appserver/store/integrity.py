@@ -4,15 +4,18 @@ Only a missing file is a new store (created under a temporary name and renamed, 
 store never looks like a real one). An empty, truncated, foreign or damaged file is refused.
 
 A write-ahead log damaged after a crash (a bad byte, a torn sector) makes SQLite drop every frame
-from the first bad one on, committed transactions included, without an error. Before the writer
-connection opens (its first write or its close would overwrite or delete the WAL), the crash-time
-wal-index (`-shm`, read before any connection opens the store: the first one recovers and rewrites
-it) says how many frames were committed; `check_wal_index` refuses a WAL that is missing, shorter
-or re-headed, and `inspect_wal` (appserver/sqlitewal.py, which the gateway's gateway.db uses too)
-lets SQLite recover read-only and counts the committed transactions it is about to discard: fewer
-frames kept than that index says were committed, or whole commit frames (their own checksum holds)
-after what it keeps. A commit frame a kill -9 cut off half written fails its checksum and lies past
-the index: an uncommitted write, so this never refuses a store that a kill -9 left behind.
+from the first bad one on, committed transactions included, without an error; a log whose header
+is damaged it drops whole. Before the writer connection opens (its first write or its close would
+overwrite or delete the WAL), `check_wal_index` judges it with appserver/sqlitewal.py's `wal_loss`,
+the check gateway.db's uses too: a header SQLite ignores; a log missing, shorter or re-headed
+although the crash-time wal-index (`-shm`, read before any connection opens the store: the first one
+recovers and rewrites it) says it held frames not yet in the database; fewer frames kept (read as
+SQLite's recovery reads them, from the files alone: a refused start changes nothing, and the next one
+finds the same) than that index says were committed, even all copied into the database already
+(SQLite would serve older page versions from the frames it keeps); or whole commit frames (their own
+checksum holds) after what it keeps. A commit frame a kill -9 cut off half written fails its
+checksum and lies past the index: an uncommitted write, so this never refuses a store that a kill -9
+left behind.
 
 A second, independent record: `<db>.position` holds the highest message rowid ever issued
 (`sqlite_sequence`, which only grows), written by the checkpointer after a checkpoint has made it
@@ -46,18 +49,14 @@ from appserver.fsutil import (
 )
 from appserver.sqlitewal import (
     WAL_HEADER,
-    WalIndex,
-    WalIndexUnreadable,
-    WalReport,
     attached_elsewhere,
     judged_while_still,
     open_read_only,
     read_wal_index,
     shm_path,
-    wal_index_problem,
+    wal_loss,
     wal_path,
 )
-from appserver.sqlitewal import inspect_wal as _inspect_wal
 from appserver.sqlitewal import shm_lock_holders as shm_lock_holders  # store/sqlite.py's import
 from appserver.store.base import StoreError
 
@@ -80,16 +79,6 @@ def position_path(db: Path) -> Path:
     return db.with_name(db.name + ".position")
 
 
-def inspect_wal(db: Path, conn: sqlite3.Connection, index: WalIndex | None = None) -> WalReport | None:
-    """What SQLite will keep of `db`'s WAL (appserver/sqlitewal.py's `inspect_wal`, judged against
-    the crash-time `index`); None also when its index could not be read (logged: not checked)."""
-    try:
-        return _inspect_wal(db, conn, index)
-    except WalIndexUnreadable:
-        log.warning("could not read the WAL index of %s; the WAL was not checked", db)
-        return None
-
-
 def wal_index_claim(db: Path) -> tuple[int, int, bytes] | None:
     """(frames the crash-time `-shm` wal-index says the WAL holds that are not yet copied into the
     database, bytes the WAL must have for them, the salt of that WAL generation); None when there
@@ -100,36 +89,22 @@ def wal_index_claim(db: Path) -> tuple[int, int, bytes] | None:
     return index.pending, index.wal_bytes, index.salt
 
 
-def check_wal_index(db: Path, accept_loss: bool) -> WalIndex | None:
-    """Refuse a store whose WAL is missing, shorter than its crash-time wal-index says, or headed
-    by anything but the header that index describes (`wal_index_problem`). Returns that index for
-    `inspect_wal` (None when there is none, or the loss was accepted and it was removed): call it
-    before any connection opens the store, which would recover the WAL and rewrite the index."""
-
-    def judge() -> tuple[WalIndex | None, tuple[str, str] | None]:
-        index = read_wal_index(db)
-        return index, wal_index_problem(db, index)
-
-    judged = judged_while_still(db, judge, lambda found: found[0] is not None and found[1] is not None)
-    if judged is None:
-        return None
-    index, found = judged
-    if found is None or index is None:
-        return index
-    state, label = found
-    what = (
-        f"the write-ahead log of {db} {state}, "
-        f"but its index ({shm_path(db).name}) says it held {index.pending} frame(s) not yet in the database: "
-        "committed conversations would be lost (the WAL was deleted, truncated, damaged or replaced after a crash)"
-    )
-    kept = keep_copy(db, label)
+def check_wal_index(db: Path, accept_loss: bool) -> None:
+    """Refuse a store whose WAL SQLite would silently drop committed changes of (`wal_loss`, judged
+    against the crash-time wal-index; a verdict of loss stands only while the files stayed as they
+    were: `judged_while_still`). Call it before any connection opens the store, which would recover
+    the WAL and rewrite the index; with `accept_loss`, the loss is logged and the start goes on."""
+    loss = judged_while_still(db, lambda: wal_loss(db, read_wal_index(db)), lambda found: found is not None)
+    if loss is None:
+        return
+    what = f"the write-ahead log {wal_path(db)} {loss.problem}: committed conversations would be lost"
+    kept = keep_copy(db, loss.label)
     if accept_loss:
-        log.warning("accepted data loss: %s; the files as they were are kept in %s", what, kept)
-        shm_path(db).unlink(missing_ok=True)  # a stale index must not describe the next WAL
-        return None
+        log.warning("accepted data loss: %s; the store and WAL as they were are kept in %s", what, kept)
+        return
     raise StoreOpenError(
-        f"{what}. Nothing was changed; a copy of the store is kept in {kept}. Put the WAL back if you have it, "
-        f"or accept the loss and start with `{ACCEPT_HINT}`"
+        f"{what}. Nothing was changed; a copy of the store and its WAL is kept in {kept}. Put the WAL back if you "
+        f"have a sound one, or recover what you can from that copy, or accept the loss and start with `{ACCEPT_HINT}`"
     )
 
 
@@ -202,12 +177,6 @@ def keep_copy(db: Path, label: str) -> Path:
     return target
 
 
-def _wal_label(db: Path) -> str:
-    """Names a WAL's copy after its last write, so every refused start reuses the first copy."""
-    st = wal_path(db).stat()
-    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(st.st_mtime)) + f"-{st.st_size}"
-
-
 def preflight(db: Path, *, accept_loss: bool) -> bool:
     """Check an existing store file before the writer opens it; True when it does not exist yet
     (a new store). Raises StoreOpenError with the operator's next step when it must not be used."""
@@ -249,7 +218,6 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
     # Our own reads of the files only while nobody has the store open: closing a descriptor we
     # opened would drop the POSIX locks of any SQLite connection of this process on that file.
     first = not attached_elsewhere(db)
-    index: WalIndex | None = None
     if first:
         with open(db, "rb") as f:
             magic = f.read(len(SQLITE_MAGIC))
@@ -258,7 +226,7 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
                 f"{db} is not an SQLite database ({size} bytes, unknown header): restore it from a backup, "
                 "or move it away to start a new, empty store"
             )
-        index = check_wal_index(db, accept_loss)  # the crash-time index: before anything opens the store
+        check_wal_index(db, accept_loss)  # the crash-time index: before anything opens the store
     # The recorded position before the messages are counted: a server running on this store
     # records newer positions as it goes (its checkpointer), and one recorded after the count (a
     # quick_check of a big file takes seconds) read as a store behind its position, a false alarm.
@@ -269,9 +237,6 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
         raise open_error(db, exc) from None
     try:
         try:
-            report = inspect_wal(db, conn, index) if first else None
-            if report is not None and report.lost_commits:
-                _refuse_or_accept_wal(db, report, accept_loss)
             row = conn.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
             ).fetchone()
@@ -362,21 +327,6 @@ def damaged_error(db: Path, problem: str) -> StoreOpenError:
     return StoreOpenError(
         f"{db} is damaged (SQLite's check found: {problem}): restore it from a backup; the file is left as it is. "
         "(`sqlite3 appserver.db .recover` can often save what is readable into a new file)"
-    )
-
-
-def _refuse_or_accept_wal(db: Path, report: WalReport, accept_loss: bool) -> None:
-    kept = keep_copy(db, _wal_label(db))
-    what = (
-        f"the write-ahead log of {db} is damaged: SQLite would keep {report.recovered} of its "
-        f"{report.frames} frames and silently discard {report.lost_commits} committed transaction(s) after them"
-    )
-    if accept_loss:
-        log.warning("accepted data loss: %s; the store and WAL as they were are kept in %s", what, kept)
-        return
-    raise StoreOpenError(
-        f"{what}. Nothing was changed; a copy of the store and its WAL is kept in {kept}. Recover what you can "
-        f"from that copy, or accept the loss and start with `{ACCEPT_HINT}`"
     )
 
 

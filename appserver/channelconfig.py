@@ -18,21 +18,33 @@ Only a secret is given by reference: one to a gateway setting (`dm_policy_env`, 
 an id list written as a string, is the account's `problem` (state `error`, never run with defaults);
 a name the plugin reads no secret by is refused by its `check_settings` and by the gateway child.
 Environment overrides work as for every key: `APPSERVER_CHANNELS__ENABLED=webhook,telegram`,
-`APPSERVER_CHANNELS__WEBHOOK__ACCOUNTS__MAIN__REPLY_URL=…`.
+`APPSERVER_CHANNELS__WEBHOOK__ACCOUNTS__MAIN__REPLY_URL=…`, a value read as its setting's type
+(`…__TOOL_STATUS=false`, `…__TOLERANCE_S=60`: `GATEWAY_TYPES`, a first-party plugin's `SETTING_TYPES`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
-from collections.abc import Callable, Iterable
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from appserver.configcheck import NO_SUCH_USER, AmbiguousName, NoSuchUser, expand_user, fold_name
+from appserver.configcheck import (
+    NO_SUCH_USER,
+    AmbiguousName,
+    Invalid,
+    NoSuchUser,
+    convert,
+    expand_user,
+    fold_name,
+)
 from appserver.shown import shown
-from plugins.contract import is_secret_ref, secret_ref_problem
+from plugins.contract import GATEWAY_SETTINGS, is_secret_ref, secret_ref_problem
+from plugins.loader import FIRST_PARTY
 
 CHANNEL_ID = re.compile(r"[a-z0-9][a-z0-9_-]*")
 ACCOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -46,6 +58,17 @@ GATEWAY_KEYS: dict[str, type | tuple[type, ...]] = {
     "chat_rate": (int, float),  # sends and edits per second per chat (default: the plugin's)
     "tool_status": bool,  # one compact status line while tools run (default true)
     "stream": bool,  # grow replies by edits where the platform can (default true)
+}
+# The type of each of the gateway's settings that is not a string (a plugin's own: its
+# `settings.py`'s SETTING_TYPES): an environment override holds text, read as that type
+# (`…__TOOL_STATUS=false`, `…__DEBOUNCE_MS=500`), as `APPSERVER_LIMITS__QUEUE_MAX=64` is.
+GATEWAY_TYPES: dict[str, type] = {
+    "chat_rate": float,
+    "tool_status": bool,
+    "stream": bool,
+    "debounce_ms": float,
+    "max_wait_ms": float,
+    "max_items": int,
 }
 # The gateway's settings that are lists of sender ids. TOML has lists, so a string there is refused
 # (`allow = "U1 U2"` was one id); the environment has only strings, so an override's value is split
@@ -135,6 +158,8 @@ def load_channels(file_table: Any, env_table: Any, path: str, env_origin: Callab
             (env_table.get(channel, {}), env_origin("channels", channel), True),
         ]
         merged: dict[str, dict[str, Any]] = {}
+        variables: dict[str, dict[str, str]] = {}  # account -> key -> the variable that set it
+        refused: dict[str, list[str]] = {}  # account -> environment values not of their setting's type
         for table, origin, from_env in tables:
             if not isinstance(table, dict) or set(table) - {"accounts"}:
                 raise ChannelConfigError(
@@ -146,10 +171,16 @@ def load_channels(file_table: Any, env_table: Any, path: str, env_origin: Callab
             if from_env:  # the environment's names and keys are lower-cased: the file's spelling
                 accounts = _fold_env_accounts(channel, accounts, merged, origin, path)
                 accounts = {name: _env_id_lists(settings) for name, settings in accounts.items()}
+                for name, settings in accounts.items():
+                    variables[name] = {key: f"{origin}__ACCOUNTS__{name.upper()}__{key.upper()}" for key in settings}
+                    accounts[name], refused[name] = _env_typed(channel, settings, variables[name])
             for name, settings in accounts.items():
                 merged.setdefault(name, {}).update(settings)
         cfg.accounts[channel] = {
-            name: check_account(channel, name, settings, where) for name, settings in merged.items()
+            name: check_account(
+                channel, name, settings, where, origins=variables.get(name), problems=refused.get(name, ())
+            )
+            for name, settings in merged.items()
         }
     return cfg
 
@@ -184,6 +215,70 @@ def _env_id_lists(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _env_typed(
+    channel: str, settings: dict[str, Any], variables: Mapping[str, str]
+) -> tuple[dict[str, Any], list[str]]:
+    """An environment override's settings with each value of a setting that is not a string read as
+    its type (`GATEWAY_TYPES`, and a first-party plugin's `SETTING_TYPES`): `…__TOOL_STATUS=false`
+    was the string 'false', which took the whole server down blaming config.toml, and
+    `…__TOLERANCE_S=60` put the account in `error` with "got '60'". A value that does not read as
+    its type is left out and said, naming its variable: the account does not run (never with the
+    default in its place)."""
+    kinds: dict[str, type] = dict(GATEWAY_TYPES)
+    if any(isinstance(v, str) and k not in GATEWAY_SETTINGS for k, v in settings.items()):
+        kinds.update(plugin_setting_types(channel))  # a plugin's own setting: its settings.py says
+    typed: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in settings.items():
+        kind = kinds.get(key)
+        if kind is None or not isinstance(value, str):
+            typed[key] = value
+            continue
+        try:
+            typed[key] = convert(value, kind, None, from_env=True)
+        except Invalid as exc:
+            words = " (1, true, yes, on or 0, false, no, off)" if kind is bool else ""
+            problems.append(f"{variables[key]}: {key} must be {exc.expected}{words}, got {shown(value)}")
+    return typed, problems
+
+
+def plugin_setting_types(channel: str) -> dict[str, type]:
+    """The types of a first-party plugin's settings that are not strings (its `SETTING_TYPES`);
+    empty for a user plugin, whose settings are never imported here (it gets the variable's text)."""
+    try:
+        module = first_party_settings(channel)
+    except Exception:  # noqa: BLE001 - a broken settings.py is its check's to report (`channels list`)
+        return {}
+    declared = getattr(module, "SETTING_TYPES", None) if module is not None else None
+    return {str(k): v for k, v in declared.items() if v in (bool, int, float)} if isinstance(declared, dict) else {}
+
+
+def first_party_settings(channel: str) -> types.ModuleType | None:
+    """A first-party plugin's `settings.py` (standard library and plugins.contract only), loaded by
+    its path: its package's `__init__` imports the platform library (slack_sdk, discord.py, …),
+    which neither the server's config nor the CLI needs. None for any other channel, or a plugin
+    without one."""
+    module_name = FIRST_PARTY.get(channel)
+    if module_name is None:
+        return None  # a user plugin is never imported outside the gateway
+    try:
+        spec = importlib.util.find_spec(module_name)  # imports `plugins`, not the channel's package
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / "settings.py"
+        if not path.is_file():
+            continue
+        file_spec = importlib.util.spec_from_file_location(f"appserver_channel_settings_{channel}", path)
+        if file_spec is None or file_spec.loader is None:
+            return None
+        module = types.ModuleType(file_spec.name)
+        module.__file__ = str(path)
+        file_spec.loader.exec_module(module)
+        return module
+    return None
+
+
 def _folded(env_name: str, known: Iterable[str], variable: str, what: str) -> str:
     try:
         return fold_name(env_name, known)
@@ -194,13 +289,25 @@ def _folded(env_name: str, known: Iterable[str], variable: str, what: str) -> st
         ) from None
 
 
-def check_account(channel: str, name: str, table: dict[str, Any], where: str) -> AccountConfig:
+def check_account(
+    channel: str,
+    name: str,
+    table: dict[str, Any],
+    where: str,
+    *,
+    origins: Mapping[str, str] | None = None,
+    problems: Sequence[str] = (),
+) -> AccountConfig:
+    """The account `table` checked, a mistake that stops the whole config raised as
+    ChannelConfigError naming the file `where`, or the environment variable that set the key
+    (`origins`: key -> variable). `problems`: what is already known to keep it from running."""
     head = f"{where}: [channels.{channel}.accounts.{name}]"
     if not ACCOUNT_NAME.fullmatch(name):
         raise ChannelConfigError(f"{head}: account name must be letters, digits, '_' or '-' (at most 64)")
     settings: dict[str, Any] = {}
     refs: dict[str, dict[str, str]] = {}
     for key, value in table.items():
+        head = f"{(origins or {}).get(key, where)}: [channels.{channel}.accounts.{name}]"
         folded = key.lower().replace("-", "_")  # `Token`, `BOT-TOKEN` are secrets too
         if folded != key and (folded in SECRET_KEYS or folded.endswith(SECRET_SUFFIXES)):
             raise ChannelConfigError(
@@ -233,7 +340,7 @@ def check_account(channel: str, name: str, table: dict[str, Any], where: str) ->
             raise ChannelConfigError(f"{head} chat_rate must be positive, got {shown(value)}")
         settings[key] = value
     account = AccountConfig(channel=channel, name=name, settings=settings, secret_refs=refs)
-    problem = account_problem(account)
+    problem = "; ".join([*problems, *filter(None, [account_problem(account)])]) or None
     return account if problem is None else replace(account, problem=problem)
 
 
@@ -244,6 +351,7 @@ def account_problem(account: AccountConfig) -> str | None:
     id list written as a string (`allow = "U1 U2"`): it was one id. A plugin's own settings and
     secrets are its `check_settings`'s (and the gateway's, at start) to check."""
     problems = [p for key in sorted(account.ref_keys) if (p := secret_ref_problem(key, (), None)) is not None]
+    problems += _text_problems(account.settings)
     for key in sorted(ID_LIST_KEYS & account.settings.keys()):
         value = account.settings[key]
         if isinstance(value, str):
@@ -258,6 +366,25 @@ def account_problem(account: AccountConfig) -> str | None:
                 f"an environment override, ids separated by commas: …__{key.upper()}=U123,U456)"
             )
     return "; ".join(problems) or None
+
+
+def _text_problems(settings: Mapping[str, Any]) -> list[str]:
+    """The gateway's text settings that can never do what they are there for. A `deny_notice` that
+    is not text (`5`, `true`, `["no"]`) or is blank was never sent, without a word: a denied sender
+    heard nothing while the owner thought they were told. A blank `default_agent` routed nothing."""
+    problems = []
+    if "deny_notice" in settings and not _is_text(notice := settings["deny_notice"]):
+        problems.append(
+            f"deny_notice must be the text a denied sender is told (a string, not blank), got {shown(notice)}: "
+            "leave it out to tell them nothing"
+        )
+    if isinstance(agent := settings.get("default_agent"), str) and not agent.strip():
+        problems.append(f"default_agent must name an agent, got {shown(agent)}: leave it out for none")
+    return problems
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
 
 
 # Characters no sender id of any channel holds: a list or a quoted id written where one id belongs

@@ -7,6 +7,10 @@ token named `gateway` with the `ws` scope only (its conversations form their own
 name is reserved and the token marked as the gateway's, so no user token can share it), revoked
 when that child ends; in mode `none` the loopback needs none. `/readyz` gets a `channels`
 check: ready only when the child runs and every enabled account runs, with per-account detail.
+
+In a cluster, the server vouches for its gateway's intake a moment at a time (`_vouch_forever`):
+a gateway whose server is stalled, cut off from the database or fenced acknowledges no platform
+message (the platform offers it again, to the next holder of the account's lease).
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import re
 import socket
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +64,13 @@ DELIVER_ANSWER_S = 95.0
 # run fired at start can finish before the child is ready, and its reply should still go out.
 DELIVER_START_WAIT_S = DELIVER_BUDGET_S - DELIVER_ANSWER_S
 START_POLL_S = 0.05
+# A server of a cluster tells its gateway every VOUCH_EVERY_S (every heartbeat, when shorter) that
+# it may take platform messages for VOUCH_FOR_S more, never past the moment this server would be
+# fenced (`Cluster.fenced_in`), from which another server may take the account's lease: stalled
+# (SIGSTOP, a long GC pause, swapping), cut off from the database or fenced, its gateway stops
+# acknowledging within VOUCH_FOR_S, and always before the lease can move.
+VOUCH_EVERY_S = 0.5
+VOUCH_FOR_S = 2.0
 
 
 def gateway_token_name(config: Config) -> str:
@@ -130,6 +143,12 @@ class ChannelService:
         self._url: asyncio.Future[str] | None = None
         self._problem: str | None = None
         self._task: asyncio.Task[None] | None = None
+        # What the intake a server of a cluster vouches for rests on (monotonic times): when its
+        # last lease check that found every running account its own began (None: none yet), the
+        # last moment it may have been fenced, and the moment it would be fenced, as last seen.
+        self._held_since: float | None = None
+        self._doubt_at = 0.0
+        self._fence_at = math.inf
 
     @property
     def enabled(self) -> bool:
@@ -184,7 +203,7 @@ class ChannelService:
             return
         await self._follow_leases(url, cluster)
 
-    async def _run_gateway(self, url: str, accounts: list[AccountConfig]) -> None:
+    async def _run_gateway(self, url: str, accounts: list[AccountConfig], cluster: Cluster | None = None) -> None:
         self.supervisor = GatewaySupervisor(
             home=self.config.home,
             url=lambda: url,
@@ -192,6 +211,7 @@ class ChannelService:
                 a.to_json() | ({"problem": self.refused[a.ref]} if a.ref in self.refused else {}) for a in accounts
             ],
             credential=lambda: mint_credential(self.config),
+            intake=None if cluster is None else partial(self._intake_until, cluster),
         )
         log.info("channels: starting the gateway for %s", ", ".join(a.ref for a in accounts) or "no accounts")
         await self.supervisor.start()
@@ -201,10 +221,20 @@ class ChannelService:
 
     async def _follow_leases(self, url: str, cluster: Cluster) -> None:
         """Run the accounts whose lease this server holds, and take over those of a server that
-        is gone: the gateway restarts with the new set whenever it changes."""
+        is gone: the gateway restarts with the new set whenever it changes. Its intake is vouched
+        for meanwhile (`_vouch_forever`)."""
+        vouching = asyncio.get_running_loop().create_task(self._vouch_forever(cluster), name="channels-vouch")
+        try:
+            await self._check_leases(url, cluster)
+        finally:
+            vouching.cancel()
+            await asyncio.gather(vouching, return_exceptions=True)
+
+    async def _check_leases(self, url: str, cluster: Cluster) -> None:
         running: tuple[str, ...] | None = None
         said = ""
         while True:
+            began = time.monotonic()
             mine: list[AccountConfig] = []
             others: dict[str, str] = {}
             try:
@@ -233,10 +263,46 @@ class ChannelService:
                         "channels: %s run in other servers of the cluster",
                         ", ".join(f"{ref} (instance {who})" for ref, who in others.items()),
                     )
+                self._lease_confirmed(cluster, began)  # before the start: its first word vouches
                 if mine:
-                    await self._run_gateway(url, mine)
+                    await self._run_gateway(url, mine, cluster)
                 running = refs
+            else:
+                self._lease_confirmed(cluster, began)
             await asyncio.sleep(LEASE_CHECK_S)
+
+    def _lease_confirmed(self, cluster: Cluster, began: float) -> None:
+        """A lease check begun at `began` found every account the gateway runs this server's."""
+        if not cluster.lost:
+            self._held_since = began
+
+    async def _vouch_forever(self, cluster: Cluster) -> None:
+        """Tell the running gateway, every VOUCH_EVERY_S, until when it may take messages
+        (`_intake_until`). A stalled server says nothing, and its gateway's intake lapses."""
+        every = min(VOUCH_EVERY_S, cluster.heartbeat_s)
+        while True:
+            until = self._intake_until(cluster)
+            supervisor = self.supervisor
+            if supervisor is not None and supervisor.view.state in ("running", "unresponsive"):
+                try:
+                    await supervisor.vouch(until, timeout=every)
+                except Exception:  # noqa: BLE001 - ended, this loop would pause the gateway for good
+                    log.exception("channels: could not tell the gateway about its intake")
+            await asyncio.sleep(every)
+
+    def _intake_until(self, cluster: Cluster) -> float:
+        """Until when (monotonic) this server vouches for its gateway's intake; 0: not now. Only
+        while it is not fenced and a lease check begun since it last may have been (seen fenced,
+        or past the moment it would be, unseen: this process stalled) found the accounts its own:
+        meanwhile another server may have taken one."""
+        now = time.monotonic()
+        if cluster.fenced or now >= self._fence_at:
+            self._doubt_at = now
+        left = cluster.fenced_in
+        self._fence_at = now + left
+        if left <= 0 or self._held_since is None or self._held_since <= self._doubt_at:
+            return 0.0
+        return now + min(VOUCH_FOR_S, left)
 
     async def check(self) -> CheckResult:
         if self._problem:

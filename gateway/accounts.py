@@ -21,6 +21,7 @@ from typing import Any
 
 from gateway.access import AccessPolicy, DmPolicy, PolicyError
 from gateway.debounce import DebounceError, DebounceSettings
+from gateway.intake import IntakeGate
 from gateway.status import AccountStatus
 from plugins.contract import (
     Account,
@@ -186,8 +187,10 @@ class AccountRunner:
         image_budget: Callable[[], int] = image_budget,
         on_secrets: Callable[[dict[str, str]], None] | None = None,
         move_chat: Callable[[str, str, str, str], Awaitable[None]] | None = None,
+        gate: IntakeGate | None = None,
     ) -> None:
         self.spec = spec
+        self._gate = gate if gate is not None else IntakeGate()  # whether messages are taken now
         self._move_chat = move_chat  # (channel, account, old chat, new chat): the gateway's re-pointing
         self._on_secrets = on_secrets  # the log's redaction learns each secret before the adapter has it
         self._image_budget = image_budget
@@ -356,6 +359,8 @@ class AccountRunner:
             log=logging.getLogger(f"gateway.{self.spec.channel}.{self.spec.name}"),
             max_image_bytes=self._image_budget,
             move_chat=self._chat_moved,
+            intake_open=self._gate.is_open,
+            intake_opened=self._gate.opened,
         )
         return create(account, context)
 

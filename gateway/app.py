@@ -33,7 +33,7 @@ from gateway.chatops import DROPPED_BY_CANCEL, WITHDRAWN_BY_CANCEL, ChatOps
 from gateway.commands import Command, bot_name, for_another_bot, parse_command
 from gateway.debounce import Buffers
 from gateway.delivery import DeliveryFailed, Outboxes
-from gateway.intake import Intake
+from gateway.intake import Intake, IntakeGate
 from gateway.ledger import Entry, Ledger, Receipt, UpdateKey, notice_key, prune_settled, retention_s
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, TOO_MANY_PENDING, Pairing
@@ -50,7 +50,7 @@ from gateway.routing import RouteKey, Router
 from gateway.split import DELIVER_MAX_CHARS, cap_text
 from gateway.status import StatusBoard
 from gateway.turninput import clean, payload_of, submit_frame
-from plugins.contract import InboundMessage, Target
+from plugins.contract import InboundMessage, IntakePaused, Target
 
 log = logging.getLogger("gateway")
 
@@ -93,12 +93,14 @@ class Gateway:
         emit: EventSink,
         environ: dict[str, str] | None = None,
         on_secrets: Callable[[dict[str, str]], None] | None = None,
+        gate: IntakeGate | None = None,
     ) -> None:
         self.home = home
         self.ledger = ledger
         self.router = Router(ledger.connection)
         self.board = StatusBoard(ledger.connection)
         self.intake = Intake(ledger)
+        self.gate = gate if gate is not None else IntakeGate()
         self.pairing = Pairing(ledger.connection)
         self.link = link
         self.emit = emit
@@ -112,6 +114,7 @@ class Gateway:
                 image_budget=link.image_budget,
                 on_secrets=on_secrets,
                 move_chat=self._move_chat,
+                gate=self.gate,
             )
             for s in specs
         }
@@ -320,22 +323,38 @@ class Gateway:
 
     async def on_message(self, msg: InboundMessage) -> bool:
         """The adapters' callback: record first (committed), then ack, then process in order.
-        Whether the message was recorded now (False: its id was recorded before)."""
+        Whether the message was recorded now (False: its id was recorded before). While the intake
+        gate is closed (the server cannot vouch for the message) nothing is acknowledged
+        (`IntakePaused`): a message recorded as the gate closed is processed, and its redelivery is
+        a repeat the ledger drops, should the server come back still holding the account."""
         runner = self.runners.get(f"{msg.channel}:{msg.account}")
         if runner is None:
             raise ValueError(f"message for an unknown account {msg.channel}:{msg.account}")
+        self._refuse_when_paused()
         key = UpdateKey(msg.channel, msg.account, clean(msg.message_id))
         thread = clean(msg.thread) if msg.thread is not None else None
         receipt = Receipt(key, clean(msg.chat), clean(msg.sender), thread, payload_of(msg, self.link.image_budget()))
         entry, created = await self.intake.record(receipt)
+        if not self.gate.is_open():  # closed as it was recorded: taken in, never acknowledged
+            if created:
+                self._take_in(runner, entry)
+            self._refuse_when_paused()
         if msg.ack is not None:
             await msg.ack()
         if created:
-            runner.live.messages_in += 1
-            runner.live.last_inbound = time.time()
-            self._dirty = True
-            self._enqueue(entry)
+            self._take_in(runner, entry)
         return created
+
+    def _refuse_when_paused(self) -> None:
+        if not self.gate.is_open():
+            raise IntakePaused("the gateway takes no messages now: its server cannot vouch for them")
+
+    def _take_in(self, runner: AccountRunner, entry: Entry) -> None:
+        """Count a newly recorded message and queue it for its chat's worker."""
+        runner.live.messages_in += 1
+        runner.live.last_inbound = time.time()
+        self._dirty = True
+        self._enqueue(entry)
 
     async def _move_chat(self, channel: str, account: str, old: str, new: str) -> None:
         """An adapter learned that a chat has a new id for good (ChatOps.move_chat)."""

@@ -83,6 +83,12 @@ APPROVED_UNROUTED = (
     "✅ You're approved, but this chat is not connected to an agent yet: nothing you write here is "
     "answered until the owner connects it."
 )
+# To a sender approved while the account takes no direct messages (`dm_policy = "disabled"`, set
+# after their code was given): what they wrote is refused, and they are told so, never "on its way".
+APPROVED_NO_DMS = (
+    "✅ You're approved, but this bot does not take direct messages right now: what you wrote here "
+    "was not passed on and will not be answered."
+)
 # Why a message never became (or never started) a turn: its sender's `/cancel` dropped it while it
 # waited (held by debounce: never submitted; queued on the server: withdrawn before it started).
 DROPPED_BY_CANCEL = "dropped by the sender's /cancel before it was submitted"
@@ -235,6 +241,10 @@ class ChatOps:
             self._refuse_kept(held, decided.expires_at, REVOKED_UNRELEASED)
             return True, None
         if decided.status == "approved":
+            barred = self._barred(decided, runner)
+            if barred is not None:
+                self._refuse_kept(held, time.time(), f"pairing {decided.code} approved, but {barred}")
+                return True, APPROVED_NO_DMS
             released = self._release(decided)
             return released, self._approved_notice(decided, runner) if released else None
         for entry in held:
@@ -285,6 +295,20 @@ class ChatOps:
         if self.router.resolve(key, runner.settings.get("default_agent")) is None:
             return APPROVED_UNROUTED
         return APPROVED
+
+    def _barred(self, decided: PairingCode, runner: AccountRunner) -> str | None:
+        """Why the account's policy *now* refuses the direct messages of `decided`'s sender, approved
+        as they are (`dm_policy = "disabled"`, set after the code was given), or None. A code is
+        given in a DM, so what it kept are DMs: released, they failed at once as "access taken
+        away" after the sender was told they were on their way. Asked only while still approved (a
+        revoke meanwhile is `_release`'s to settle: the sender hears nothing)."""
+        channel, account, sender = decided.channel, decided.account, decided.sender
+        if not self.pairing.is_approved(channel, account, sender):
+            return None
+        verdict, reason = runner.policy.decide(
+            chat_type="dm", sender=sender, sender_is_bot=False, mentions_bot=True, approved=True
+        )
+        return None if verdict == "allow" else reason
 
     def _release(self, decided: PairingCode) -> bool:
         """Release an approved sender's kept messages as one turn per conversation, re-checking the

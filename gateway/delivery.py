@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from gateway.ratelimit import ChatRateLimiter, RetryAfter
-from gateway.split import fences_on_own_lines, split_message
+from gateway.split import SOURCE_FACTOR, fences_on_own_lines, split_message
 from plugins.contract import Adapter, DeliveryError, Target, shorten
 
 if TYPE_CHECKING:
@@ -734,15 +734,17 @@ class ReplySink:
 
     def _chunks(self, text: str) -> list[str]:
         """The parts of `text`. `max_length` counts after `format` (markup and escapes can grow a
-        part), so a part whose formatted form is too long is made smaller, as large as still fits,
-        and the next part goes on from there (greedy: no run of small parts)."""
+        part, link URLs and markup may not count at all), so a part whose formatted form is too long
+        is made smaller, as large as still fits, one with room to spare larger (up to
+        `SOURCE_FACTOR` times the limit in Markdown), and the next part goes on from there (greedy:
+        no run of small parts, and no split where the platform would take the whole)."""
         limit = self.outbox.adapter.limits.max_length
         measure = getattr(self.outbox.adapter, "measure", None) or len  # e.g. Telegram counts UTF-16 units
 
         def fits(part: str) -> bool:
             return bool(measure(self.outbox.format(part)) <= limit)
 
-        return split_message(text, limit, fits)
+        return split_message(text, limit, fits, most=limit * SOURCE_FACTOR)
 
 
 class ChatOrder:

@@ -3,13 +3,22 @@
 The ledger's receipt is the one write whose loss would lose a message (the platform was told it
 arrived), so it is fsynced; an adapter that hands over a batch of updates at once (Telegram's
 `getUpdates`, a burst of webhook POSTs) pays one fsync for the batch instead of one per update.
+
+`IntakeGate`: whether the gateway takes messages at all. A server of a cluster vouches for its
+gateway's intake for a short while at a time (`until`); past it, or told to pause, the gateway
+acknowledges nothing, so a stalled or cut-off server's gateway never accepts a message that the
+server holding the account's lease next should answer instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 from gateway.ledger import Entry, Ledger, Receipt
+
+log = logging.getLogger("gateway.intake")
 
 
 class Intake:
@@ -49,3 +58,55 @@ class Intake:
         for (_, future), result in zip(batch, results, strict=True):
             if not future.done():
                 future.set_result(result)
+
+
+class IntakeGate:
+    """Open for good (`until` None: a server alone on its store), or until the monotonic time the
+    server's last word said (`vouch`; the start envelope's first). The child and its server run on
+    one host and read the same monotonic clock, so a word that lay in the pipe counts from when the
+    server wrote it. A start longer than the first word lasts is no pause worth a log line: the
+    server's words follow once the child is ready."""
+
+    def __init__(self, until: float | None = None) -> None:
+        self._until = until
+        self._changed = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._heard = False  # a word came from the running server (not only the start envelope's)
+        self._paused_said = False
+
+    def is_open(self) -> bool:
+        return self._until is None or time.monotonic() < self._until
+
+    def vouch(self, until: float) -> None:
+        """The server's word: messages may be taken until `until` (monotonic; 0: pause now)."""
+        if self._until is None:
+            return
+        self._until = until
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.is_open():
+            self._closed("the server paused it (it is fenced, or no longer sure it holds the accounts' lease)")
+            return
+        if self._paused_said:
+            self._paused_said = False
+            log.info("intake resumed: the server answers and holds the accounts' lease")
+        self._heard = True
+        self._changed.set()
+        self._timer = asyncio.get_running_loop().call_later(until - time.monotonic(), self._expired)
+
+    async def opened(self) -> None:
+        """Return once the gate is open."""
+        while not self.is_open():
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _expired(self) -> None:
+        self._timer = None
+        if not self.is_open() and self._heard:
+            self._closed("the server's last word ran out (it is stalled, cut off from the database, or fenced)")
+
+    def _closed(self, why: str) -> None:
+        if not self._paused_said:
+            self._paused_said = True
+            log.warning("intake paused: %s; no platform message is acknowledged until it vouches again", why)

@@ -2,8 +2,9 @@
 
 First thing, stdout is taken for control lines (nothing else can write to it). The first stdin line
 is the start envelope (server URL, the gateway's credential, the home, the accounts with secret
-references); every later line is a command envelope `{"id", "op", ...}` answered by one
-`GATEWAY_RESPONSE`. End of stdin means the server is gone: stop and exit, so nothing is orphaned.
+references; for a server of a cluster `intake_until`, see `IntakeGate`); every later line is a
+command envelope `{"id", "op", ...}` answered by one `GATEWAY_RESPONSE`. End of stdin means the
+server is gone: stop and exit, so nothing is orphaned.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gateway.accounts import AccountSpec
 from gateway.app import Gateway
 from gateway.db import CorruptGatewayDB, LedgerFileRefused, SchemaTooNew, default_path, record_opened_ledger
 from gateway.delivery import DeliveryFailed
+from gateway.intake import IntakeGate
 from gateway.ledger import Ledger
 from gateway.link import ServerLink
 from gateway.redact import SecretMask, known_secrets, mask_stored
@@ -76,6 +78,7 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
             raise ValueError("the first line must be the start envelope")
         home = Path(str(start["home"]))
         specs = [AccountSpec.from_json(a) for a in start.get("accounts") or []]
+        gate = _intake_gate(start.get("intake_until"))
     except (TimeoutError, ValueError, KeyError, TypeError) as exc:
         log.error("no valid start envelope on stdin: %s", exc)
         return EXIT_BAD_START
@@ -99,7 +102,7 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
         log.error("cannot reach the server at %s: %s", start.get("url"), exc)
         return EXIT_SERVER_GONE
     link.redact = mask.redact_all
-    gateway = Gateway(home, ledger, link, specs, control.event, on_secrets=mask.add_all)
+    gateway = Gateway(home, ledger, link, specs, control.event, on_secrets=mask.add_all, gate=gate)
     try:
         await gateway.start()
         control.ready()
@@ -109,6 +112,16 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
         await gateway.stop()
         await link.close()
         ledger.close()
+
+
+def _intake_gate(until: Any) -> IntakeGate:
+    """The intake gate the start envelope asks for: open for good without `intake_until` (a server
+    alone on its store), else open until then (a server of a cluster vouches for it from then on)."""
+    if until is None:
+        return IntakeGate()
+    if isinstance(until, bool) or not isinstance(until, int | float):
+        raise ValueError("intake_until must be a number")
+    return IntakeGate(float(until))
 
 
 async def lock_ledger(home: Path, control: ControlWriter, wait_s: float = LOCK_WAIT_S) -> int | None:
@@ -239,6 +252,9 @@ async def _run_command(gateway: Gateway, command: dict[str, Any], control: Contr
         if op == "status":
             control.response(rid, {"ok": True, "accounts": gateway.statuses()})
         elif op == "ping":
+            control.response(rid, {"ok": True})
+        elif op == "intake":
+            gateway.gate.vouch(float(command.get("until") or 0.0))
             control.response(rid, {"ok": True})
         elif op == "deliver":
             ids = await gateway.deliver_text(str(command.get("target")), str(command.get("text") or ""))

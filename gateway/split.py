@@ -29,8 +29,9 @@ clear. Only a span its text closes in the same paragraph counts; a lone marker i
 
 Blank lines at a cut are dropped, and so is the space a line is cut at; nothing else is (a hard cut
 drops nothing: the parts joined, less the markers added around a span, give the line back). Every
-part is at most `limit` characters (measured in `str` length, as the platforms document theirs)
-and has balanced fences, save such a rest of a long run alone in its part. The grapheme-cluster
+part is at most `limit` characters (measured in `str` length, as the platforms document theirs;
+up to `most` when the platform's own test of a part decides: `split_message`) and has balanced
+fences, save such a rest of a long run alone in its part. The grapheme-cluster
 rules live in `plugins/graphemes.py` (re-exported by `plugins.contract`, so a plugin cuts text the
 same way).
 """
@@ -49,13 +50,18 @@ from plugins.contract import is_grapheme_boundary
 _FENCE = re.compile(r"^ {0,3}(`{3,}(?=[^`]*$)|~{3,})(.*)$")
 _LINK_TAIL = re.compile(r"\([^()\s]*\)")  # the `(url)` of a Markdown link or image, kept whole by a cut
 MIN_LIMIT = 32
+# A caller whose `fits` is the platform's whole test of a part (the gateway's delivery) lets a part
+# carry up to this many times `limit` characters of Markdown (`split_message`'s `most`): link URLs
+# and markup are not what Telegram counts, so a reply of links needs no more messages than its shown
+# text does; the bound keeps one request's text reasonable.
+SOURCE_FACTOR = 4
 # What one delivery outside a turn's own reply sends at most: a cron `--deliver` reply and a
 # `message_channel` send or reply (10 Telegram messages, about 20 on Discord). A longer text is cut
 # here with a note saying so (`cap_text`): a 6 MB reply would be 1,500 chat messages, and its
 # command line to the gateway child would be larger than that child reads.
 DELIVER_MAX_CHARS = 40_000
 
-__all__ = ["DELIVER_MAX_CHARS", "MIN_LIMIT", "cap_text", "is_grapheme_boundary", "split_message"]
+__all__ = ["DELIVER_MAX_CHARS", "MIN_LIMIT", "SOURCE_FACTOR", "cap_text", "is_grapheme_boundary", "split_message"]
 
 
 def cap_text(text: str, limit: int = DELIVER_MAX_CHARS) -> str:
@@ -114,31 +120,37 @@ class _Line:
     literal: bool = False
 
 
-def split_message(text: str, limit: int, fits: Callable[[str], bool] | None = None) -> list[str]:
-    """Parts of `text`, each at most `limit` characters; `[]` for empty text.
+def split_message(
+    text: str, limit: int, fits: Callable[[str], bool] | None = None, *, most: int | None = None
+) -> list[str]:
+    """Parts of `text`, each at most `limit` characters (`most`, given `fits`); `[]` for empty text.
 
     `fits` is the platform's own test of a part (Telegram counts the text it shows, in UTF-16 units,
     after formatting): a part it refuses is made again, as large as still passes, by a binary search
     over the room (at least `MIN_LIMIT`), and the next part starts right after it. So each part is
-    filled greedily instead of the whole text being cut finer (which made many small parts)."""
+    filled greedily instead of the whole text being cut finer (which made many small parts). With
+    `most` (more than `limit`), `fits` decides alone up to that many characters: a part of `limit`
+    characters it passes with room to spare (link URLs and markup, which the platform does not
+    count) grows the same way, so a reply is split only where the platform would refuse it."""
     if limit < MIN_LIMIT:
         raise ValueError(f"limit must be at least {MIN_LIMIT}")
-    if len(text) <= limit and (fits is None or fits(text)):
+    most = limit if most is None or fits is None else max(most, limit)  # the characters a part may carry
+    if len(text) <= most and (fits is None or fits(text)):
         return [text] if text.strip() else []
     if "```" in text:
         text = fences_on_own_lines(text)
-    parts = _split(text, limit, fits)
+    parts = _split(text, limit, fits, most)
     reserve = 0
     for _ in range(6):  # room for the markers that balance the inline spans a cut goes through
         balanced = _balanced_spans(text, parts)
         if balanced is None or balanced == parts:
             return parts
-        if all(len(part) <= limit and (fits is None or fits(part)) for part in balanced):
+        if all(len(part) <= most and (fits is None or fits(part)) for part in balanced):
             return balanced
         reserve = max(2 * reserve, _added(parts, balanced), 8)
         if limit - reserve < MIN_LIMIT:
             break
-        parts = _split(text, limit - reserve, _padded(fits, reserve))
+        parts = _split(text, limit - reserve, _padded(fits, reserve), most - reserve)
     return parts  # no room for the markers: the limit comes first
 
 
@@ -154,8 +166,9 @@ def _added(parts: list[str], balanced: list[str]) -> int:
     return max(len(b) - len(p) for p, b in zip(parts, balanced, strict=True))
 
 
-def _split(text: str, limit: int, fits: Callable[[str], bool] | None) -> list[str]:
-    """The parts of `text` (fences on their own lines), code fences balanced."""
+def _split(text: str, limit: int, fits: Callable[[str], bool] | None, most: int) -> list[str]:
+    """The parts of `text` (fences on their own lines), code fences balanced; a part `fits` passes
+    with room to spare grows up to `most` characters (`_grown`)."""
     lines = _annotate(text.split("\n"), limit)
     parts: list[str] = []
     i = 0
@@ -165,12 +178,49 @@ def _split(text: str, limit: int, fits: Callable[[str], bool] | None) -> list[st
             continue
         part, j, cut = _next_part(lines, i, limit)
         if fits is not None and not fits(part):
-            part, j, cut = _largest_fitting(lines, i, limit, fits)
+            part, j, cut = _largest_fitting(lines, i, MIN_LIMIT, limit, fits)
+        elif fits is not None and j < len(cut) and most > limit and (_in_link(cut, j) or _has_room(part, limit, fits)):
+            part, j, cut = _grown(lines, i, limit, most, fits)
         lines = cut
         if part.strip():  # a head of only indentation, cut off an over-long line, is not a part
-            parts.append(part if lines[i].literal else _closed(part, limit, fits))
+            parts.append(part if lines[i].literal else _closed(part, most, fits))
         i = j
     return parts
+
+
+def _in_link(lines: list[_Line], j: int) -> bool:
+    """Whether line `j` starts inside a Markdown link: a hard cut went through a link longer than the
+    room (a long URL), which a larger part may keep whole."""
+    line = lines[j]
+    links = line.links or ()
+    k = bisect.bisect_left(links, (line.offset, -1)) - 1  # the last link starting before it (they do not overlap)
+    return k >= 0 and links[k][1] > line.offset
+
+
+def _has_room(part: str, limit: int, fits: Callable[[str], bool]) -> bool:
+    """Whether the platform would take an eighth of `limit` more shown text after `part`: only then
+    is a larger part worth the search (a part of plain prose fills the limit as it is)."""
+    return fits(part + "\n" + "." * max(limit // 8, 1))
+
+
+def _grown(
+    lines: list[_Line], i: int, limit: int, most: int, fits: Callable[[str], bool]
+) -> tuple[str, int, list[_Line]]:
+    """The part starting at line `i` with the largest room from `limit` (where it fits) up to `most`
+    characters that `fits` still passes: the room doubles while the part fits, then a binary search
+    finds it to within a sixteenth of `limit` (each trial formats the part, and the gateway splits
+    the whole reply at every update of it, so the trials are few and small)."""
+    low = room = limit
+    best = None
+    while room < most:
+        room = min(2 * room, most)
+        trial = _next_part(lines, i, room)
+        if not fits(trial[0]):
+            return _largest_fitting(lines, i, low, room, fits, step=max(limit // 16, 1))
+        low, best = room, trial
+        if trial[1] >= len(trial[2]):
+            break  # the rest of the text
+    return best or _next_part(lines, i, low)
 
 
 def _next_part(lines: list[_Line], i: int, room: int) -> tuple[str, int, list[_Line]]:
@@ -190,13 +240,13 @@ def _next_part(lines: list[_Line], i: int, room: int) -> tuple[str, int, list[_L
 
 
 def _largest_fitting(
-    lines: list[_Line], i: int, limit: int, fits: Callable[[str], bool]
+    lines: list[_Line], i: int, low: int, high: int, fits: Callable[[str], bool], step: int = 1
 ) -> tuple[str, int, list[_Line]]:
-    """`_next_part` with the largest room below `limit` whose part `fits` (the smallest room when
-    none does: the part cannot be made smaller without breaking the splitting rules)."""
-    low, high = MIN_LIMIT, limit  # the part at `high` is known not to fit
+    """`_next_part` with the largest room from `low` up to below `high` (to within `step`) whose part
+    `fits` (the room `low` when none does: at `MIN_LIMIT` the part cannot be made smaller without
+    breaking the splitting rules). The part at `high` is known not to fit."""
     best = _next_part(lines, i, low)
-    while high - low > 1:
+    while high - low > step:
         mid = (low + high) // 2
         trial = _next_part(lines, i, mid)
         if fits(trial[0]):

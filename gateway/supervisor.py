@@ -6,7 +6,9 @@ child's stderr into the server log with a `gateway` prefix (the accounts' secret
 reads only control lines from its stdout, answers commands within a timeout, and restarts the child
 after an unexpected exit with capped exponential backoff (1 s → 60 s, reset after 5 minutes of
 health); it pings the running child and kills one that stops answering (hung or stopped), which
-is then restarted. It never takes the server down. It knows the child only by its control lines (`gateway.stdio`).
+is then restarted. For a server of a cluster it passes on the server's word on the child's intake
+(`intake`, `vouch`: until when the child may acknowledge platform messages, `gateway.intake.IntakeGate`).
+It never takes the server down. It knows the child only by its control lines (`gateway.stdio`).
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class GatewaySupervisor:
         ping_interval: float | None = None,
         ping_timeout: float | None = None,
         hung_kill: float | None = None,
+        intake: Callable[[], float] | None = None,
     ) -> None:
         def knob(given: float | None, name: str, default: float) -> float:
             return given if given is not None else _env_seconds(self._env, name, default)
@@ -151,6 +154,9 @@ class GatewaySupervisor:
         self._ping_timeout = knob(ping_timeout, "APPSERVER_GATEWAY_PING_TIMEOUT_S", PING_TIMEOUT_S)
         self._hung_kill = knob(hung_kill, "APPSERVER_GATEWAY_HUNG_KILL_S", HUNG_KILL_S)
         self._hung: str | None = None  # why the watchdog killed the current child
+        # A server of a cluster: until when (monotonic) a child starting now may take messages;
+        # `vouch` moves it on. None: the child takes messages for as long as it runs.
+        self._intake = intake
         self._proc: asyncio.subprocess.Process | None = None
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
@@ -204,6 +210,15 @@ class GatewaySupervisor:
             return await asyncio.wait_for(future, timeout)
         finally:
             self._pending.pop(request_id, None)
+
+    async def vouch(self, until: float, timeout: float) -> bool:
+        """Tell the running child it may take platform messages until `until` (monotonic; 0: pause
+        now). Bounded as a whole, as a ping is; False when it went unanswered."""
+        try:
+            await asyncio.wait_for(self.command("intake", timeout=timeout, until=until), timeout)
+        except (TimeoutError, RuntimeError, OSError):
+            return False
+        return True
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready when the child runs and every enabled account runs; detail per account."""
@@ -271,13 +286,15 @@ class GatewaySupervisor:
             self._proc = proc
             self.view.pid = proc.pid
             assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-            start = {
+            start: dict[str, Any] = {
                 "op": "start",
                 "url": self._url(),
                 "token": credential.token,
                 "home": str(self.home),
                 "accounts": self._accounts,
             }
+            if self._intake is not None:
+                start["intake_until"] = self._intake()
             proc.stdin.write((json.dumps(start) + "\n").encode())
             await proc.stdin.drain()
             relay = asyncio.ensure_future(self._relay_stderr(proc.stderr))

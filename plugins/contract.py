@@ -15,6 +15,8 @@ import difflib
 import logging
 import math
 import os
+import re
+import urllib.parse
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,7 @@ __all__ = [
     "IMAGE_FRAME_RESERVE",
     "IMAGE_MAX_BYTES",
     "InboundMessage",
+    "IntakePaused",
     "Limits",
     "MoveChat",
     "OnMessage",
@@ -50,6 +53,7 @@ __all__ = [
     "number_setting",
     "secret_ref_problem",
     "shorten",
+    "url_setting",
 ]
 
 ChatType = Literal["dm", "group"]
@@ -204,6 +208,54 @@ def number_setting(
     return float(value)
 
 
+def url_setting(
+    settings: Mapping[str, Any],
+    key: str,
+    default: str | None,
+    *,
+    schemes: tuple[str, ...] = ("http", "https"),
+    error: type[ValueError] = ValueError,
+) -> str | None:
+    """`settings[key]` (else `default`; None stays None), refused with `error` ("<key> must be an
+    http:// or https:// URL, …") unless a URL of one of `schemes` that names a host and a valid
+    port: `http://` (no host) or `http://[::1` (cut short) passed a prefix check, and every request
+    to it then failed only when sent, each one after its whole retry budget."""
+    value = settings.get(key, default)
+    if value is None:
+        return None
+    kinds = " or ".join(f"{s}://" for s in schemes)
+    what = f"{key} must be {'an' if schemes[0].startswith('http') else 'a'} {kinds} URL"  # "an http", "a ws"
+    if not isinstance(value, str) or not value.startswith(tuple(f"{s}://" for s in schemes)):
+        raise error(f"{what}, got {_masked(value)!r}")
+    problem = _url_problem(value)
+    if problem is not None:
+        raise error(f"{what}, got {_masked(value)!r}: {problem}")
+    return value
+
+
+def _masked(value: Any) -> Any:
+    """`value` for an error message: a URL's credentials (`user:pw@`) and query (`?key=…`) as `…`."""
+    if not isinstance(value, str):
+        return value
+    return re.sub(r"\?.*", "?…", re.sub(r"(://)[^/?#]*@", r"\1…@", value), count=1, flags=re.S)
+
+
+def _url_problem(url: str) -> str | None:
+    """Why `url` (its scheme checked) cannot be requested, or None."""
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "it holds a space or a control character (write a space in a path as %20)"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # `http://[::1` (Invalid IPv6 URL), `http://h:99999`, `http://h:x`
+        return str(exc)
+    if not parts.hostname:
+        return "it names no host"
+    if port == 0:
+        return "port 0 cannot be connected to"
+    return None
+
+
 def check_keys(
     settings: Mapping[str, Any],
     own: Collection[str],
@@ -290,6 +342,13 @@ class DeliveryError(Exception):
         self.uncertain = uncertain
 
 
+class IntakePaused(Exception):
+    """`on_message` refuses a message because the gateway takes none now: its server cannot vouch
+    for it (a server of a cluster stalled, or cut off from the database: another server may run the
+    account any moment). Nothing is recorded; the adapter acknowledges nothing, so the platform
+    offers the message again, to whichever gateway runs the account by then."""
+
+
 class AccountError(Exception):
     """The account cannot run as configured (bad or missing token, bad setting): state `error` with
     this message, and no restart until the configuration changes."""
@@ -323,6 +382,15 @@ async def _keep_chats(old: str, new: str) -> None:
     """The `move_chat` of a context built without a gateway (a plugin's own tests): nothing to move."""
 
 
+def _always_open() -> bool:
+    """The `intake_open` of a context built without a gateway: messages are always taken."""
+    return True
+
+
+async def _open_now() -> None:
+    """The `intake_opened` of a context built without a gateway: open already."""
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterContext:
     """What the gateway gives an adapter besides its account."""
@@ -340,6 +408,14 @@ class AdapterContext:
     # transaction; the ids it keeps of messages posted in the old chat become `<old>:<id>` (they stay
     # there). The adapter itself sends to the new id from then on. Returns once committed.
     move_chat: MoveChat = _keep_chats
+    # Whether the gateway takes messages now. False while its server cannot vouch for them (a
+    # server of a cluster stalled or cut off from the database): `on_message` then refuses
+    # (`IntakePaused`) and an adapter acknowledges nothing, so the platform offers the messages
+    # again, to whichever gateway runs the account by then. A poller waits for `intake_opened`
+    # before polling again (Telegram: no getUpdates, so no offset is confirmed and the next
+    # holder's poller meets no conflict); a listener answers "retry later" (the webhook's 503).
+    intake_open: Callable[[], bool] = _always_open
+    intake_opened: Callable[[], Awaitable[None]] = _open_now
 
 
 class TokenRefusal:

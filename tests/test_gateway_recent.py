@@ -48,7 +48,7 @@ def test_a_chat_without_a_route_gets_one_notice_for_many_messages(tmp_path: Path
     """The notice memory is the gateway's (`Gateway._notices`): several messages to an unrouted chat
     get one notice, and another chat gets its own."""
     with FakeChat() as chat:
-        home = fakechat_home(tmp_path / "home", chat, default_agent="")
+        home = fakechat_home(tmp_path / "home", chat, default_agent=None)
         with channel_server(home):
             for i in range(3):
                 chat.inject("lost", f"hello {i}")

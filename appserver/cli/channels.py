@@ -24,7 +24,6 @@ import re
 import sqlite3
 import time
 import tomllib
-import types
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -44,6 +43,7 @@ from appserver.channelconfig import (
     ChannelConfigError,
     ChannelsConfig,
     check_account,
+    first_party_settings,
     load_channels,
     shared_secrets,
 )
@@ -600,26 +600,8 @@ def _plugin_check(channel: str) -> Callable[[Mapping[str, Any], Collection[str]]
     """A first-party plugin's own `check_settings`, from its `settings.py` (standard library only),
     loaded by path so that the platform library (slack_sdk, discord.py, …) is not imported here.
     None when the plugin has no such file."""
-    module_name = FIRST_PARTY.get(channel)
-    if module_name is None:
-        return None  # a user plugin is never imported by the CLI
-    try:
-        spec = importlib.util.find_spec(module_name)  # imports `plugins`, not the channel's package
-    except (ImportError, ValueError):
-        return None
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(folder) / "settings.py"
-        if not path.is_file():
-            continue
-        file_spec = importlib.util.spec_from_file_location(f"appserver_channel_settings_{channel}", path)
-        if file_spec is None or file_spec.loader is None:
-            return None
-        module = types.ModuleType(file_spec.name)
-        module.__file__ = str(path)
-        file_spec.loader.exec_module(module)
-        check = getattr(module, "check_settings", None)
-        return check if callable(check) else None
-    return None
+    check = getattr(first_party_settings(channel), "check_settings", None)  # a user plugin is never imported here
+    return check if callable(check) else None
 
 
 def _settings_problem(channel: str, settings: Mapping[str, Any], refs: Collection[str] = ()) -> str | None:

@@ -175,6 +175,23 @@ def approve_cmd(code: str) -> None:
         + (f" ({exact(p.sender_name)})" if p.sender_name else "")
         + f" on {p.channel}:{p.account}."
     )
+    _warn_no_dms(p)
+
+
+def _warn_no_dms(p: PairingCode) -> None:
+    """Say on stderr when the account takes no direct messages now (`dm_policy = "disabled"`, set
+    after the code was given): the approval stands (it lets the sender in where the account still
+    answers: a group), but the messages the code kept are refused, and the sender is told that,
+    not that they are on their way."""
+    account = get_config().channels.accounts.get(p.channel, {}).get(p.account)
+    if account is None or account.settings.get("dm_policy") != "disabled":
+        return
+    click.echo(
+        f'warning: {p.channel}:{p.account} has dm_policy = "disabled": it takes no direct messages, so the'
+        f" messages {exact_id(p.sender)} sent with this code are not answered; they are told they are approved"
+        " but that direct messages are off (they can still reach the bot in a group it is in)",
+        err=True,
+    )
 
 
 @pairing_group.command("deny")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from plugins.contract import check_keys
+from plugins.contract import check_keys, url_setting
 
 DEFAULT_API_URL = "https://slack.com"
 
@@ -29,6 +29,4 @@ def check_settings(settings: Mapping[str, Any], refs: Collection[str] = ()) -> N
     """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown, or
     when one of `refs` (the account's `<name>_env` / `<name>_file` keys) names no secret it reads."""
     check_keys(settings, SETTINGS, secrets=SECRETS, refs=refs)
-    api_url = settings.get("api_url", DEFAULT_API_URL)
-    if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
-        raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")
+    url_setting(settings, "api_url", DEFAULT_API_URL)

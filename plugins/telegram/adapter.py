@@ -6,6 +6,9 @@ records them in one group commit), and the offset moves only over the prefix of 
 acknowledged (`InboundMessage.ack`, called after the commit). An update that was not acknowledged is
 redelivered by Telegram on the next poll, and so is everything after it; Telegram learns of an
 acknowledgement through the next poll's offset (and at stop, through a last zero-timeout poll).
+While the gateway's intake is paused (`AdapterContext.intake_open`: its server cannot vouch for
+messages now) nothing is polled and no offset confirmed, not at stop either: the updates stay with
+Telegram for whichever poller runs the account next (the next holder's meets no 409 from this one).
 An album (updates sharing a `media_group_id`) is handed over as one message, acknowledged together;
 photos are fetched within a time budget per message and per batch (the whole bot waits for them).
 
@@ -68,6 +71,7 @@ from plugins.contract import (
     Attachment,
     DeliveryError,
     InboundMessage,
+    IntakePaused,
     Limits,
     Target,
     TokenRefusal,
@@ -107,6 +111,8 @@ ALBUM_POLL_S = 0.2
 ALBUM_MAX_S = 3.0
 ALBUMS_FILE = "albums.json"  # the album parts recorded under their first message (for redelivery)
 _REMEMBERED_ALBUM_PARTS = 1024
+MOVED_FILE = "moved_chats.json"  # groups upgraded to supergroups: old chat id -> new (kept across restarts)
+_REMEMBERED_MOVES = 1024
 GETUPDATES_LIMIT = 100  # the most updates one getUpdates answers
 UNREAD_NOTE = "[an attachment of this message could not be read]"
 # Telegram's ids are 64-bit integers, written in ASCII digits (int() also reads `٥`, `1_0` and `+5`,
@@ -157,8 +163,10 @@ class TelegramAdapter:
         self._albums_path = Path(context.data_dir) / ALBUMS_FILE
         self._album_parts: OrderedDict[str, str] = self._load_album_parts()
         self._albums_lock = asyncio.Lock()
-        # groups upgraded to supergroups, old chat id -> new: sends for the old id go to the new one
-        self._moved_chats: dict[int, int] = {}
+        # groups upgraded to supergroups, old chat id -> new: sends for the old id go to the new one,
+        # and a message of the old id is the new one's (`_chat_now`), after a restart too (on disk)
+        self._moved_path = Path(context.data_dir) / MOVED_FILE
+        self._moved_chats: OrderedDict[int, int] = self._load_moves()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -214,8 +222,9 @@ class TelegramAdapter:
         for pending in list(self._background):
             pending.cancel()
         bot = self._bot
-        if bot is not None and self._offset > self._sent_offset:
-            # Confirm what the gateway acknowledged, so a restart does not see it again.
+        if bot is not None and self._offset > self._sent_offset and self.context.intake_open():
+            # Confirm what the gateway acknowledged, so a restart does not see it again (not while
+            # intake is paused: the server this gateway serves may not be the one to answer it).
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(bot.get_updates(offset=self._offset, timeout=0, limit=1), 3.0)
         await self._close_bot()
@@ -269,6 +278,8 @@ class TelegramAdapter:
         redeliver = BACKOFF_MIN_S
         bot = self._require_bot()
         while True:
+            if not self.context.intake_open():
+                await self.context.intake_opened()  # paused: no getUpdates, nothing confirmed
             offset = self._offset
             try:
                 if self._me is None:
@@ -321,7 +332,7 @@ class TelegramAdapter:
             updates = await self._complete_albums(bot, offset, updates)
             if await self._hand_over(updates, unreadable):
                 redeliver = BACKOFF_MIN_S
-            else:
+            elif self.context.intake_open():  # paused: the loop waits for intake instead
                 await asyncio.sleep(redeliver)
                 redeliver = min(redeliver * 2, BACKOFF_MAX_S)
 
@@ -394,6 +405,7 @@ class TelegramAdapter:
         one that holds no message for the gateway is passed over."""
         passed: set[int] = set(unreadable or ())  # acknowledged by the gateway, or nothing for the ledger
         handed: list[tuple[list[int], InboundMessage]] = []
+        await self._follow_moves(updates)
         deadline = asyncio.get_running_loop().time() + BATCH_FETCH_BUDGET_S
         for parts in self._group([u for u in updates if u.update_id >= self._offset], passed):
             ids = [u.update_id for u in parts]
@@ -411,16 +423,26 @@ class TelegramAdapter:
             else:
                 handed.append((ids, inbound))
         results = await asyncio.gather(*(self.context.on_message(m) for _, m in handed), return_exceptions=True)
+        paused = [
+            inbound.message_id for (_, inbound), r in zip(handed, results, strict=True) if isinstance(r, IntakePaused)
+        ]
+        if paused:
+            self._log.info("%s: intake is paused; %s left with Telegram", self._where, ", ".join(paused))
         for (_, inbound), result in zip(handed, results, strict=True):
             if isinstance(result, asyncio.CancelledError):
                 raise result
+            if isinstance(result, IntakePaused):
+                continue
             if isinstance(result, BaseException):
                 self._log.error(
                     "%s: %s not recorded (%s); it will be redelivered", self._where, inbound.message_id, result
                 )
         for update_id in sorted(passed | {i for ids, _ in handed for i in ids}):
             if update_id not in passed:
-                self._log.warning("%s: update %d was not acknowledged; it will be redelivered", self._where, update_id)
+                if not paused:
+                    self._log.warning(
+                        "%s: update %d was not acknowledged; it will be redelivered", self._where, update_id
+                    )
                 return False
             self._offset = max(self._offset, update_id + 1)
         return True
@@ -592,32 +614,44 @@ class TelegramAdapter:
         )
 
     def _load_album_parts(self) -> OrderedDict[str, str]:
-        """The album parts recorded under their album's first message, as saved (`_remember_album`).
-        A damaged file is moved aside (`albums.json.corrupt-<UTC time>`) with an error, never read as
-        empty and overwritten unseen."""
-        path = self._albums_path
+        """The album parts recorded under their album's first message, as saved (`_remember_album`)."""
+        value = self._read_map(self._albums_path, "album parts delivered again may be answered twice")
+        if all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return OrderedDict(value)
+        return self._damaged(self._albums_path, "album parts delivered again may be answered twice")
+
+    def _load_moves(self) -> OrderedDict[int, int]:
+        """The groups upgraded to supergroups, as saved (`_chat_moved`): a message of the old group
+        Telegram delivers after a restart is still the supergroup's (its route, agent, approvals)."""
+        consequence = "a message of an upgraded group delivered late may be routed by its old id"
+        value = self._read_map(self._moved_path, consequence)
+        if all(_CHAT_ID_RE.fullmatch(k) and isinstance(v, str) and _CHAT_ID_RE.fullmatch(v) for k, v in value.items()):
+            return OrderedDict((int(k), int(v)) for k, v in value.items())
+        return self._damaged(self._moved_path, consequence)
+
+    def _read_map(self, path: Path, consequence: str) -> dict[Any, Any]:
+        """The JSON object saved at `path`; {} when there is none or it cannot be read. A damaged file
+        is moved aside (`<name>.corrupt-<UTC time>`) with an error, never read as empty and
+        overwritten unseen."""
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
-            return OrderedDict()
+            return {}
         except OSError as exc:
-            self._log.error(
-                "%s: cannot read %s (%s); album parts delivered again may be answered twice", self._where, path, exc
-            )
-            return OrderedDict()
+            self._log.error("%s: cannot read %s (%s); %s", self._where, path, exc, consequence)
+            return {}
         try:
             value = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
             value = None
-        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            return OrderedDict(value)
+        return value if isinstance(value, dict) else self._damaged(path, consequence)
+
+    def _damaged(self, path: Path, consequence: str) -> OrderedDict[Any, Any]:
         try:
             where = f"moved aside to {move_aside(path)}"
         except OSError as exc:
             where = f"left as it is ({exc})"
-        self._log.error(
-            "%s: %s is damaged: %s; album parts delivered again may be answered twice", self._where, path, where
-        )
+        self._log.error("%s: %s is damaged: %s; %s", self._where, path, where, consequence)
         return OrderedDict()
 
     async def _remember_album(self, first: str, others: Sequence[str]) -> None:
@@ -839,7 +873,8 @@ class TelegramAdapter:
         reply = None
         if target.reply_to and chat_id < 0:  # groups: thread the reply under its message; DMs need not
             reply_id = _message_id(target.reply_to)
-            if reply_id is not None:
+            # a message of the group this supergroup was (`_chat_now`): its number means another one here
+            if reply_id is not None and _message_chat(target.reply_to) in (None, chat_id):
                 reply = ReplyParameters(message_id=reply_id, allow_sending_without_reply=True)
 
         async def go(text: str, parse_mode: str | None) -> Message:
@@ -946,15 +981,29 @@ class TelegramAdapter:
 
     def _chat_now(self, chat_id: int) -> str:
         """The id the gateway knows chat `chat_id` by: the supergroup's for a message of a group that
-        became one (`_chat_moved`), delivered late or held back by Telegram, so it is routed and
-        answered as the chat is now. Its message id keeps the old chat's id: it names that message."""
+        became one (`_chat_moved`), delivered late (after a restart too), held back by Telegram or
+        in the upgrade's own batch (`_follow_moves`), so it is routed and answered as the chat is
+        now. Its message id keeps the old chat's id: it names that message."""
         return str(self._moved_chats.get(chat_id, chat_id))
+
+    async def _follow_moves(self, updates: Sequence[Update]) -> None:
+        """Follow every group upgrade a batch announces (its service messages) before any message of
+        it is read: a message of the old group that comes before them in the batch (a backlog) is
+        then the supergroup's, like one that comes after, never recorded under the old id whose
+        routes the move takes away."""
+        for update in updates:
+            message = update.message
+            if update.update_id >= self._offset and message is not None:
+                with contextlib.suppress(Exception):  # `_inbound` meets it again, and says what is wrong
+                    await self._migration(message)
 
     async def _chat_moved(self, old: int, new: int) -> None:
         """Telegram said group `old` is now supergroup `new` (a refused call, or the service message in
         either chat, whichever came first): calls for `old` go to `new` from now on, and the gateway
-        moves what it keeps under `old` (conversation, routes, waiting prompts) to `new`, once per
-        process. When the gateway could not, the next call for `old` tries again."""
+        moves what it keeps under `old` (conversation, routes, waiting prompts) to `new`; then the
+        move is saved (`MOVED_FILE`), so a message of `old` delivered after a restart follows it too
+        (saved means moved: a restart does not move again). When the gateway could not, the next
+        call for `old` tries again."""
         if old == new or self._moved_chats.get(old) == new:
             return
         self._moved_chats[old] = new
@@ -964,6 +1013,19 @@ class TelegramAdapter:
         except Exception:
             self._moved_chats.pop(old, None)
             self._log.exception("%s: the gateway could not move chat %s to %s", self._where, old, new)
+            return
+        await self._save_moves()
+
+    async def _save_moves(self) -> None:
+        """Write the upgraded groups to disk (the most recent `_REMEMBERED_MOVES`), before the
+        service message that announced the last one is acknowledged (a crash first: it comes again)."""
+        while len(self._moved_chats) > _REMEMBERED_MOVES:
+            self._moved_chats.popitem(last=False)
+        text = json.dumps({str(old): str(new) for old, new in self._moved_chats.items()})
+        try:
+            await asyncio.to_thread(atomic_write_text, self._moved_path, text)
+        except OSError as exc:
+            self._log.warning("%s: could not save %s: %s", self._where, self._moved_path, exc)
 
 
 class _NotModified(DeliveryError):

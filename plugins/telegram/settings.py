@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from plugins.contract import check_keys, number_setting
+from plugins.contract import check_keys, number_setting, url_setting
 
 DEFAULT_API_URL = "https://api.telegram.org"
 DEFAULT_POLL_TIMEOUT = 30
@@ -26,14 +26,16 @@ SETTINGS = frozenset({"api_url", "poll_timeout", "edited", "mode"})
 # by reference (`<name>_env`, `<name>_file`); any other such key is refused instead of ignored.
 SECRETS = frozenset({"token"})
 
+# The type of each setting that is not a string: an environment override (text) is read as it
+# (appserver/channelconfig.py), as `APPSERVER_LIMITS__QUEUE_MAX=64` is.
+SETTING_TYPES: dict[str, type] = {"poll_timeout": float}
+
 
 def check_settings(settings: Mapping[str, Any], refs: Collection[str] = ()) -> None:
     """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown, or
     when one of `refs` (the account's `<name>_env` / `<name>_file` keys) names no secret it reads."""
     check_keys(settings, SETTINGS, secrets=SECRETS, refs=refs)
-    api_url = settings.get("api_url", DEFAULT_API_URL)
-    if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
-        raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")
+    url_setting(settings, "api_url", DEFAULT_API_URL)
     what = f"a number of seconds from 0 to {MAX_POLL_TIMEOUT}"
     number_setting(settings, "poll_timeout", DEFAULT_POLL_TIMEOUT, low=0, high=MAX_POLL_TIMEOUT, what=what)
     edited = settings.get("edited", "ignore")

@@ -4,8 +4,11 @@ Inbound: `POST <path>` with a JSON message, signed (see `signing`). The signatur
 are checked on the raw bytes before anything is parsed; a bad or stale one is 401 and reaches
 nothing. A good message goes to the gateway (`on_message` returns once the ledger committed it, and
 the ledger drops a repeated `id`), then the sender gets 202 (200 with `duplicate` for a repeated
-`id`); if the gateway cannot take it, 503 so
-the sender retries. Outbound: `send` POSTs the reply as JSON to `reply_url`, signed the same way.
+`id`); if the gateway cannot take it, 503 so the sender retries. While the gateway's intake is
+paused (`AdapterContext.intake_open`: its server, one of a cluster, cannot vouch for messages now)
+a good message is 503 with `Retry-After` at once, never 202: the sender retries, through a balancer
+to the server that runs the account next. Outbound: `send` POSTs the reply as JSON to `reply_url`,
+signed the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from plugins.contract import (
     AdapterContext,
     DeliveryError,
     InboundMessage,
+    IntakePaused,
     Limits,
     Target,
     env_seconds,
@@ -56,6 +60,8 @@ from plugins.webhook.settings import (
 from plugins.webhook.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
 
 MAX_LENGTH = 100_000
+PAUSED_RETRY_AFTER = "2"  # seconds; a pause ends (or another server takes the account) within that
+PAUSED = "paused: this gateway's server cannot vouch for messages now; retry later"
 STOP_TIMEOUT_S = 5.0
 SEND_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
 # One send, from connecting to the receiver's status line, is given this long in all (httpx's
@@ -314,8 +320,12 @@ class WebhookAdapter:
             if exc.status == 401:
                 self._note_refusal(exc.message)
             return _error(exc.status, exc.message)
+        if not self.context.intake_open():
+            return _error(503, PAUSED, headers={"Retry-After": PAUSED_RETRY_AFTER})
         try:
             created = await self.context.on_message(message)
+        except IntakePaused:
+            return _error(503, PAUSED, headers={"Retry-After": PAUSED_RETRY_AFTER})
         except Exception as exc:
             self.context.log.error(
                 "webhook account '%s': delivery %r not recorded: %r", self.account.name, message.message_id, exc
@@ -440,10 +450,12 @@ class WebhookAdapter:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=SEND_TIMEOUT, follow_redirects=False)
         deadline = env_seconds(SEND_DEADLINE_ENV, SEND_DEADLINE_S)
-        request = self._client.build_request("POST", url, content=body, headers=headers)
         try:
+            request = self._client.build_request("POST", url, content=body, headers=headers)
             async with asyncio.timeout(deadline):
                 response = await self._client.send(request, stream=True)
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:  # never sendable: no retry budget spent
+            raise DeliveryError(f"reply_url cannot be requested: {type(exc).__name__}: {exc}", permanent=True) from exc
         except TimeoutError as exc:  # the request may have been received: sent again with the same id
             raise DeliveryError(f"reply_url did not answer within {deadline:g} s", uncertain=True) from exc
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:  # not sent

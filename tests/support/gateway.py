@@ -62,7 +62,9 @@ def install_fakechat(home: Path) -> None:
 
 
 def fakechat_settings(chat: FakeChat, **extra: Any) -> dict[str, Any]:
-    return {"base_url": chat.url, "poll_timeout": 0.5, "default_agent": "assistant", "dm_policy": "open", **extra}
+    """The account's settings; a setting given as None is left out (`default_agent=None`: none)."""
+    made = {"base_url": chat.url, "poll_timeout": 0.5, "default_agent": "assistant", "dm_policy": "open", **extra}
+    return {key: value for key, value in made.items() if value is not None}
 
 
 @dataclass

@@ -66,9 +66,10 @@ DELIVER_START_WAIT_S = DELIVER_BUDGET_S - DELIVER_ANSWER_S
 START_POLL_S = 0.05
 # A server of a cluster tells its gateway every VOUCH_EVERY_S (every heartbeat, when shorter) that
 # it may take platform messages for VOUCH_FOR_S more, never past the moment this server would be
-# fenced (`Cluster.fenced_in`), from which another server may take the account's lease: stalled
-# (SIGSTOP, a long GC pause, swapping), cut off from the database or fenced, its gateway stops
-# acknowledging within VOUCH_FOR_S, and always before the lease can move.
+# fenced (`Cluster.fenced_in`), from which another server may take the account's lease, and not
+# while its database session is away: stalled (SIGSTOP, a long GC pause, swapping), its gateway
+# stops acknowledging within VOUCH_FOR_S; cut off from the database, at the next word (within
+# VOUCH_EVERY_S of its noticing); always before the lease can move.
 VOUCH_EVERY_S = 0.5
 VOUCH_FOR_S = 2.0
 
@@ -296,7 +297,10 @@ class ChannelService:
         or past the moment it would be, unseen: this process stalled) found the accounts its own:
         meanwhile another server may have taken one."""
         now = time.monotonic()
-        if cluster.fenced or now >= self._fence_at:
+        # Its session away at all (`cut_off`), not only past the grace (`fenced`): a message taken
+        # meanwhile cannot be submitted, and past the grace another server may take the account,
+        # leaving it in this gateway's ledger (the default grace is 5 s).
+        if cluster.cut_off or now >= self._fence_at:
             self._doubt_at = now
         left = cluster.fenced_in
         self._fence_at = now + left

@@ -48,6 +48,7 @@ STOP = {"APPSERVER_STORE__HEARTBEAT_S": "0.5", "APPSERVER_STORE__INSTANCE_TIMEOU
 PAUSED_AFTER_S = 3.0
 SECRET = "s36d-webhook-secret-0123456789abcdef"
 LISTEN_PORTS = (22310, 22311)  # the webhook listeners of the two servers (this file's port range)
+GRACE_PORTS = (22312, 22313)
 
 
 def _pids(url: str) -> tuple[str | None, dict[str, int]]:
@@ -326,6 +327,60 @@ def test_a_cut_off_holders_webhook_answers_503_and_the_survivor_answers_the_retr
                 texts = _wait(lambda: replies.texts_for("c2"), 30, "c2 was not answered")
                 assert texts == ["echo: during the cut"]
                 assert "during the cut" not in _ledger_texts(holder.home)
+            finally:
+                _stop_all(nodes)
+    finally:
+        replies.close()
+        if role:
+            _drop_role(role)
+
+
+# Heartbeats of 2 s (the default): a grace of 5 s before the others may judge a lost session's
+# server gone. The gateway paused only at that point, so a message taken 2 s into a cut could not
+# be submitted and, once the account moved, stayed in this gateway's ledger.
+SLOW_GRACE = {"APPSERVER_STORE__HEARTBEAT_S": "2", "APPSERVER_STORE__INSTANCE_TIMEOUT_S": "30"}
+
+
+def test_a_holder_whose_session_is_lost_pauses_at_once_and_takes_messages_again_once_back(tmp_path: Path) -> None:
+    """Cut off for 3 s, inside its grace: its listener is 503 (not a 202 it could not submit) from
+    soon after the cut, and once its session is back and the lease checked it takes and answers
+    messages again itself (nobody took the account over)."""
+    require_postgres()
+    replies = _Replies()
+    role = ""
+    try:
+        with temp_database("gw_s36_grace") as url, _own_role(url) as role:
+            accounts = [
+                {
+                    "listen": f"127.0.0.1:{port}",
+                    "secret_env": "WEBHOOK_SECRET",
+                    "reply_url": replies.url,
+                    "default_agent": "assistant",
+                }
+                for port in GRACE_PORTS
+            ]
+            nodes: list[ChannelServer] = []
+            try:
+                own_url = url.replace("postgres@", f"{role}@", 1)
+                nodes = _start_pair(
+                    [own_url, url], tmp_path, accounts, "webhook", {"WEBHOOK_SECRET": SECRET}, SLOW_GRACE
+                )
+                holder = nodes[0]
+                assert _post(GRACE_PORTS[0], "g1", "before the cut").status_code == 202
+                _wait(lambda: replies.texts_for("g1"), 30, "g1 was not answered")
+                with psycopg.connect(url, autocommit=True) as c:
+                    c.execute(f"ALTER ROLE {role} CONNECTION LIMIT 0")
+                    c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+                time.sleep(2.0)
+                refused = _post(GRACE_PORTS[0], "g2", "during the cut")
+                assert refused.status_code == 503, refused.text
+                assert "during the cut" not in _ledger_texts(holder.home)
+                time.sleep(1.0)
+                with psycopg.connect(url, autocommit=True) as c:
+                    c.execute(f"ALTER ROLE {role} CONNECTION LIMIT -1")
+                _wait(lambda: _post(GRACE_PORTS[0], "g2", "during the cut").status_code == 202, 30, "never took g2")
+                assert _wait(lambda: replies.texts_for("g2"), 30, "g2 was not answered") == ["echo: during the cut"]
+                assert _holder_pid(url) == holder.proc.pid  # still the holder: nothing moved
             finally:
                 _stop_all(nodes)
     finally:

@@ -346,9 +346,7 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
             calls = []
             raw_calls = fields.array(m.get("tool_calls"), f"{where}.tool_calls") or []
             for k, c in enumerate(raw_calls):
-                call = history_call(c, f"{where}.tool_calls[{k}]")
-                if call is not None:
-                    calls.append(call)
+                calls.append(history_call(c, f"{where}.tool_calls[{k}]"))
             legacy = legacy_function_call(m.get("function_call"), where)
             if legacy is not None:
                 calls.append(legacy)
@@ -398,21 +396,27 @@ CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 TOOL_CALL_TYPES = ("function", "custom")
 
 
-def history_call(c: Any, at: str) -> dict[str, Any] | None:
+def history_call(c: Any, at: str) -> dict[str, Any]:
     """A function call of an assistant message, checked as OpenAI checks it (`type`, `id`, and
-    `function.name` and `function.arguments` as strings); None for a custom tool call (`id` and
-    `custom.name` / `custom.input` strings), which is not a client function call. A malformed call
-    is refused, never dropped or coerced: a call without `type` is no function call by default."""
+    `function.name` and `function.arguments` as strings). A malformed call is refused, never
+    dropped or coerced: a call without `type` is no function call by default. A custom tool call,
+    well-formed for OpenAI, is refused as `unsupported_tool`, as a custom tool in `tools` is:
+    no custom tool runs here, and dropping it would hide a call the model made (and leave a
+    `tool` message answering it answering nothing)."""
     if not isinstance(c, dict):
         raise fields.type_error(at, "an object", c)
     call_id = fields.string(fields.required(c, "id", f"{at}.id"), f"{at}.id", nullable=False)
     kind = fields.one_of(fields.required(c, "type", f"{at}.type"), f"{at}.type", TOOL_CALL_TYPES, nullable=False)
-    if kind == "custom":
+    if kind == "custom":  # checked as OpenAI's schema has it first: a malformed one is named as such
         custom = fields.obj(fields.required(c, "custom", f"{at}.custom"), f"{at}.custom", nullable=False)
         assert custom is not None
         fields.required_string(custom, "name", f"{at}.custom.name")
         fields.required_string(custom, "input", f"{at}.custom.input")
-        return None
+        raise bad_request(
+            f"{at}: custom tool calls are not supported (only function tools are)",
+            f"{at}.type",
+            code="unsupported_tool",
+        )
     fn = fields.obj(fields.required(c, "function", f"{at}.function"), f"{at}.function", nullable=False)
     assert fn is not None and call_id is not None
     name = fields.string(fields.required(fn, "name", f"{at}.function.name"), f"{at}.function.name", nullable=False)

@@ -34,7 +34,16 @@ from appserver.http.errors import (
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
 from appserver.http.stopping import Stopping, shutting_down
-from appserver.runtime import TERMINAL_STATUSES, Decision, DeltaTap, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
+from appserver.runtime import (
+    TERMINAL_STATUSES,
+    Decision,
+    DeltaTap,
+    Quiet,
+    Submission,
+    SubmitRequest,
+    TurnHandle,
+    TurnSnapshot,
+)
 from appserver.runtime import max_steps_note as steps_note
 from appserver.runtime.kernel import COUNTED_FOR
 from appserver.runtime.restore import controller_from_store
@@ -1115,6 +1124,20 @@ async def start_turn(
     `options`, `client_tools`: the new turn's; with `decisions`, the paused turn's from its answers on
     (`answer_settings`)."""
     kernel = server.kernel
+    new_turn = SubmitRequest(
+        agent=agent.id,
+        input=content or "",
+        system=list(system or ()),
+        conversation=conversation_id,
+        source=source,
+        client_tools=client_tools,
+        options=options,
+        resolved=agent,
+        overlap_accept=overlap_accept,
+        idempotency_key=idempotency[0] if idempotency else None,
+        idempotency_scope=idempotency[1] if idempotency else None,
+        rerun_of=idempotency.rerun if isinstance(idempotency, TurnKey) else None,
+    )
     try:
         if decisions:
             if content:
@@ -1125,6 +1148,9 @@ async def start_turn(
                 )
             awaiting = await kernel.awaiting(conversation_id)
             if awaiting is None:
+                again = await rerun_answers(server, new_turn, decisions, request)
+                if again is not None:
+                    return again
                 await refuse_closed_calls(server, conversation_id, decisions, answers_param)
                 raise ApiError(
                     409, "this conversation has no turn waiting for tool results or approvals", code="not_awaiting"
@@ -1155,27 +1181,8 @@ async def start_turn(
             waiting = await (until_credential_ends(request, lookup) if request is not None else lookup)
             if waiting:
                 raise while_pending(waiting)
-        submit = kernel.submit(
-            SubmitRequest(
-                agent=agent.id,
-                input=content,
-                system=list(system or ()),
-                conversation=conversation_id,
-                source=source,
-                client_tools=client_tools,
-                options=options,
-                resolved=agent,
-                overlap_accept=overlap_accept,
-                idempotency_key=idempotency[0] if idempotency else None,
-                idempotency_scope=idempotency[1] if idempotency else None,
-                rerun_of=idempotency.rerun if isinstance(idempotency, TurnKey) else None,
-            )
-        )
-        check = credential_check(request) if request is not None else None
-        if check is None:
-            sub = await submit
-            return TurnRun(server, sub.conversation_id, sub.handle)
-        return await _accept_watched(server, submit, check)
+        submit = kernel.submit(new_turn)
+        return await accepted(server, submit, request)
     except AgentGone:  # deleted between finding it and accepting the turn: that model is gone
         raise agent_deleted() from None
     except InvalidInput as exc:
@@ -1185,6 +1192,55 @@ async def start_turn(
         raise ApiError(400, exc.message, code="invalid_input", param=answers_param) from None
     except KernelError as exc:
         raise from_kernel(exc) from None
+
+
+async def accepted(server: Server, submit: Awaitable[Submission], request: Request | None) -> TurnRun:
+    """The run of the turn `submit` accepts, its accept watched for the request's credential
+    ending (`_accept_watched`) when it can end."""
+    check = credential_check(request) if request is not None else None
+    if check is None:
+        sub = await submit
+        return TurnRun(server, sub.conversation_id, sub.handle)
+    return await _accept_watched(server, submit, check)
+
+
+async def rerun_answers(
+    server: Server, new_turn: SubmitRequest, decisions: list[Decision], request: Request | None
+) -> TurnRun | None:
+    """A keyed repeat of a request whose tool results resumed a paused turn (`keep_answers_key`)
+    that then answered nothing (a stop, a crash, a failure, the client leaving: `TurnKey.rerun`,
+    here `new_turn.rerun_of`): the results in the history are this request's own (the same key,
+    the same body, each stored as given), not another request's. So the resumption runs again, as
+    a new turn (`new_turn`: the request's) re-running that turn's input (`Kernel._rerun`,
+    `SubmitRequest.rerun_only`): the input and results kept once, the cut-off reply out of the
+    model's view. None when it is not that (other answers, another key, anything said or run
+    since): the answers are refused as ever (`refuse_closed_calls`)."""
+    store = server.store
+    conversation_id = new_turn.conversation or ""
+    earlier = await store.get_turn(new_turn.rerun_of) if new_turn.rerun_of else None
+    if earlier is None or earlier.conversation_id != conversation_id or "input" in earlier.damaged:
+        return None
+    wrote = earlier.input.get("rerun_of")
+    wrote = wrote if isinstance(wrote, str) else earlier.id  # the turn whose input it ran
+    for d in decisions:
+        p = await store.get_pending(conversation_id, d.call_id)
+        given = ("result", d.output or "", d.is_error)
+        if d.action != "result" or p is None or (p.status, p.output or "", p.is_error) != given:
+            return None  # not these answers, stored as given
+        asked = earlier if p.turn_id == earlier.id else await store.get_turn(p.turn_id)
+        if asked is None or wrote not in (asked.id, asked.input.get("rerun_of")):
+            return None  # a call of another input's turn
+    system = earlier.input.get("system")
+    again = dataclasses.replace(
+        new_turn,
+        input=earlier.input.get("content") or "",
+        system=list(system) if isinstance(system, list) else [],
+        rerun_only=True,
+    )
+    try:
+        return await accepted(server, server.kernel.submit(again), request)
+    except NotAwaiting:  # not re-runnable after all (`Kernel._rerun`): refused as ever
+        return None
 
 
 def until_credential_ends(request: Request, work: Awaitable[T]) -> Awaitable[T]:

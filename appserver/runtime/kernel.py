@@ -18,7 +18,7 @@ from typing import Any
 from appserver.agent.loop import AgentLoop
 from appserver.agent.tools import reap_orphaned_tools
 from appserver.config import Config
-from appserver.errors import AgentGone, Conflict, InvalidInput, NotFound, Unavailable
+from appserver.errors import AgentGone, Conflict, InvalidInput, NotAwaiting, NotFound, Unavailable
 from appserver.ids import new_id
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
@@ -33,6 +33,7 @@ from appserver.runtime.settle import (
     LEFT_UNSEEN,
     TurnEnd,
     acked_unseen,
+    answered_result,
     cancelled_results,
     close_unanswered,
     input_messages,
@@ -57,6 +58,7 @@ from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
     MessageRecord,
+    PendingCall,
     TurnCommit,
     TurnRecord,
     TurnSettings,
@@ -125,6 +127,34 @@ def interrupted_text(name: str) -> str:
     )
 
 
+def delivered_results(
+    assistant: MessageRecord, turn_id: str, answered: set[str | None], pending: dict[str, PendingCall], config: Config
+) -> list[MessageRecord]:
+    """The results of `assistant`'s calls answered before its turn resumed and its server died
+    (`pending`: the turn's pending calls by id), for those not in `answered` (which it extends):
+    a client's result, a denial, an expiry. Each was stored before it was acknowledged, and none
+    ran here: what they say is known, never "outcome unknown" (an approved call may have run)."""
+    out: list[MessageRecord] = []
+    for c in assistant.tool_calls if assistant.role == "assistant" else ():
+        p = pending.get(c["id"])
+        if c["id"] in answered or p is None or p.status not in ("result", "denied", "expired"):
+            continue
+        answered.add(c["id"])
+        text, is_error = answered_result(p, config)
+        out.append(
+            MessageRecord(
+                role="tool",
+                content=text,
+                turn_id=turn_id,
+                iteration=assistant.iteration,
+                tool_call_id=c["id"],
+                name=c["name"],
+                is_error=is_error,
+            )
+        )
+    return out
+
+
 # How a turn ended that answered nothing, whose input a keyed retry may re-run (`Kernel._rerun`).
 RERUNNABLE = ("cancelled", "failed", "interrupted")
 
@@ -155,6 +185,9 @@ class SubmitRequest:
     # in its conversation, the new turn re-runs that turn's input instead of adding it again
     # (`Kernel._rerun`).
     rerun_of: str | None = None
+    # Only as that re-run (a keyed repeat of tool results whose resumed turn answered nothing:
+    # http/common.py `rerun_answers`): NotAwaiting when it cannot be, never a new turn of the input.
+    rerun_only: bool = False
 
 
 @dataclass(slots=True)
@@ -661,8 +694,9 @@ class Kernel:
 
     async def _settle_left(self, turn: TurnRecord) -> None:
         """Close a turn a dead process left running: interrupted, keeping its input and the text
-        it checkpointed, each dangling call given a result ("outcome unknown"). A turn whose
-        cancel was acknowledged (`TurnRecord.cancel_ack`, saved before the acknowledgement) ends
+        it checkpointed, each dangling call given a result: the answer it got while paused (a
+        client's result, stored before it was acknowledged: `delivered_results`), else "outcome
+        unknown". A turn whose cancel was acknowledged (`TurnRecord.cancel_ack`, saved before the acknowledgement) ends
         cancelled instead, as promised: its text kept as cancelled text, each dangling call's
         result saying what became of it (`cancelled_results`: never run, stopped, answered).
         Ends in `finish_turn` like every turn; a commit that fails here fails the start."""
@@ -671,7 +705,7 @@ class Kernel:
             await self._settle_left_unseen(turn)
             return
         ack = turn.cancel_ack
-        pending = {p.call_id: p for p in await self.store.list_pending(turn.id)} if ack is not None else {}
+        pending = {p.call_id: p for p in await self.store.list_pending(turn.id)}
         messages: list[MessageRecord] = []
         # a damaged input (rows.py `TurnRecord.damaged`) reads as its raw stored text: never the user's message
         writes_input = not turn.input_committed and "input" not in turn.damaged
@@ -682,6 +716,7 @@ class Kernel:
         for m in history:
             if m.role == "assistant" and m.turn_id == turn.id:
                 if ack is None:
+                    messages.extend(delivered_results(m, turn.id, answered, pending, self.config))
                     messages.extend(close_unanswered(m, turn.id, answered, interrupted_text))
                 else:
                     messages.extend(cancelled_results(m, turn.id, answered, ack, pending, self.config))
@@ -1052,6 +1087,8 @@ class Kernel:
             client_tools=[t.to_record() for t in req.client_tools] if req.client_tools else [],
             options=dict(req.options),
         )
+        if rerun is None and req.rerun_only:
+            raise NotAwaiting(f"turn {req.rerun_of} can no longer be re-run: its conversation moved on")
         if rerun is not None:  # its input is in the history already, once: this turn answers it
             record.input["rerun_of"] = rerun
             record.input_committed = True

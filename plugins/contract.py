@@ -215,11 +215,14 @@ def url_setting(
     *,
     schemes: tuple[str, ...] = ("http", "https"),
     error: type[ValueError] = ValueError,
+    base: bool = False,
 ) -> str | None:
     """`settings[key]` (else `default`; None stays None), refused with `error` ("<key> must be an
     http:// or https:// URL, …") unless a URL of one of `schemes` that names a host and a valid
     port: `http://` (no host) or `http://[::1` (cut short) passed a prefix check, and every request
-    to it then failed only when sent, each one after its whole retry budget."""
+    to it then failed only when sent, each one after its whole retry budget. `base`: a URL the plugin
+    appends its paths to (an `api_url`), which may hold no `?query` or `#fragment` (the paths went
+    after them: every request failed as a bad token, and the token went into a proxy's query)."""
     value = settings.get(key, default)
     if value is None:
         return None
@@ -228,6 +231,8 @@ def url_setting(
     if not isinstance(value, str) or not value.startswith(tuple(f"{s}://" for s in schemes)):
         raise error(f"{what}, got {_masked(value)!r}")
     problem = _url_problem(value)
+    if problem is None and base and ("?" in value or "#" in value):
+        problem = "a base URL the plugin adds its paths to holds no ?query or #fragment"
     if problem is not None:
         raise error(f"{what}, got {_masked(value)!r}: {problem}")
     return value

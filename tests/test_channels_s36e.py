@@ -145,6 +145,10 @@ def _ledger(home: Path, message_id: str) -> tuple[str, str | None] | None:
         ("slack", "api_url=https://", "it names no host"),
         ("telegram", "api_url=http://[::1", "api_url must be an http:// or https:// URL"),
         ("discord", "gateway_url=wss://", "it names no host"),
+        # a base URL the plugin appends its paths to (a re-attack): the paths went after the query
+        ("telegram", "api_url=http://127.0.0.1:1/tg?x=1", "holds no ?query or #fragment"),
+        ("slack", "api_url=https://proxy.example/slack#x", "holds no ?query or #fragment"),
+        ("discord", "gateway_url=wss://gw.example/?v=10", "holds no ?query or #fragment"),
     ],
 )
 def test_channels_add_refuses_a_setting_that_could_never_work(
@@ -275,3 +279,15 @@ def test_numbers_and_booleans_from_the_environment_are_read_as_their_settings_ty
         sent = _post(22430, {"id": "f3-1", "chat": "c3", "sender": "s3", "text": "hello"})
         assert sent.status_code == 202, sent.text
         wait_for(lambda: any("hello" in t for t in receiver.texts()), 30, "the reply")
+
+
+def test_a_reply_url_may_carry_a_query_where_an_api_url_may_not() -> None:
+    """The webhook's `reply_url` is requested as it is (a query there is the receiver's own, e.g. a
+    key); an `api_url` is a base the plugin appends paths to."""
+    from plugins.telegram.settings import check_settings as telegram_settings
+    from plugins.webhook.settings import check_settings as webhook_settings
+
+    webhook_settings({"listen": "127.0.0.1:1", "reply_url": "https://r.example/in?key=abc#x"})
+    telegram_settings({"api_url": "https://proxy.example/telegram/"})
+    with pytest.raises(ValueError, match="holds no"):
+        telegram_settings({"api_url": "https://proxy.example/telegram?token=1"})

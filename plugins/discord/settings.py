@@ -29,5 +29,5 @@ def check_settings(settings: Mapping[str, Any], refs: Collection[str] = ()) -> N
     """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown, or
     when one of `refs` (the account's `<name>_env` / `<name>_file` keys) names no secret it reads."""
     check_keys(settings, SETTINGS, secrets=SECRETS, refs=refs)
-    url_setting(settings, "api_url", DEFAULT_API_URL)
-    url_setting(settings, "gateway_url", DEFAULT_GATEWAY_URL, schemes=("ws", "wss"))
+    url_setting(settings, "api_url", DEFAULT_API_URL, base=True)
+    url_setting(settings, "gateway_url", DEFAULT_GATEWAY_URL, schemes=("ws", "wss"), base=True)

@@ -35,7 +35,7 @@ def check_settings(settings: Mapping[str, Any], refs: Collection[str] = ()) -> N
     """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown, or
     when one of `refs` (the account's `<name>_env` / `<name>_file` keys) names no secret it reads."""
     check_keys(settings, SETTINGS, secrets=SECRETS, refs=refs)
-    url_setting(settings, "api_url", DEFAULT_API_URL)
+    url_setting(settings, "api_url", DEFAULT_API_URL, base=True)
     what = f"a number of seconds from 0 to {MAX_POLL_TIMEOUT}"
     number_setting(settings, "poll_timeout", DEFAULT_POLL_TIMEOUT, low=0, high=MAX_POLL_TIMEOUT, what=what)
     edited = settings.get("edited", "ignore")

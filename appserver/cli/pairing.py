@@ -187,9 +187,11 @@ def _warn_no_dms(p: PairingCode) -> None:
     if account is None or account.settings.get("dm_policy") != "disabled":
         return
     click.echo(
-        f'warning: {p.channel}:{p.account} has dm_policy = "disabled": it takes no direct messages, so the'
-        f" messages {exact_id(p.sender)} sent with this code are not answered; they are told they are approved"
-        " but that direct messages are off (they can still reach the bot in a group it is in)",
+        f'warning: the configuration gives {p.channel}:{p.account} dm_policy = "disabled": a server running'
+        f" with it takes no direct messages, so the messages {exact_id(p.sender)} sent with this code are not"
+        " answered; they are told they are approved but that direct messages are off (they can still reach the"
+        " bot in a group it is in). A server started before the change runs with the policy it started with"
+        " until it restarts, and answers them",
         err=True,
     )
 

@@ -44,6 +44,7 @@ from appserver.http.common import (
     start_turn,
     stream_replay,
     turn_error,
+    unread_answer,
     until_credential_ends,
     watch_credential,
 )
@@ -1584,6 +1585,13 @@ class _Ctx:
                         break
                     if snap.status == "awaiting" and approval_pending(snap):
                         continue  # waiting for an approval from a WebSocket client, with keepalives
+                if self.run.handle.unreadable and (last is None or not self.settled(last)):
+                    # its end cannot be read here (cut off from the cluster): no failure, which it
+                    # may not have had, but the 503 a retry with the key answers (`unread_answer`)
+                    err = unread_answer(self.run)
+                    yield dumps(error_body(err.status, err.message, code=err.code))
+                    yield "[DONE]"
+                    return
                 if last is None or not self.settled(last):  # the server stops, or the credential ended
                     # An error event the SDKs raise, as for a failed turn; no replay is stored.
                     ended = stopping.ended(asyncio.current_task())

@@ -703,15 +703,19 @@ class TurnRun:
         seen = self.after_revision
         quiet = Quiet(keepalive_s) if keepalive_s else None
         me = asyncio.current_task() if stopping is not None else None
+        unread = Unread(self.handle)
         try:
             while True:
                 task = None
+                if unread.given_up:
+                    return  # its end cannot be read here: `self.handle.unreadable`, the caller answers so
                 if stopping is not None:
                     if stopping.stopped or stopping.ended(me):
                         return
                     task = stopping.enter(me)
                 got: TurnSnapshot | None
                 try:
+                    unread.inside = True
                     if quiet is None:
                         got = await controller.next_snapshot(seen)
                     elif tap is not None:
@@ -721,8 +725,11 @@ class TurnRun:
                 except asyncio.CancelledError:
                     if stopping is not None and stopping.caught(task):
                         return
+                    if unread.caught():
+                        return
                     raise
                 finally:
+                    unread.inside = False
                     if stopping is not None:
                         stopping.leave(task)
                 if got is None:
@@ -734,6 +741,7 @@ class TurnRun:
                 if snap.status in TERMINAL_STATUSES:
                     return
         finally:
+            unread.close()
             if quiet is not None:
                 quiet.close()
 
@@ -755,6 +763,56 @@ class TurnRun:
             log.warning("could not cancel turn %s after a disconnect: %s", self.turn_id, exc)
         except Exception:
             log.exception("could not cancel turn %s after a disconnect", self.turn_id)
+
+
+class Unread:
+    """A wait of a request's task on its turn, ended when the turn's end cannot be read here
+    (`TurnHandle.give_up_reading`: this server, cut off from its cluster, let the turn go unsaved
+    and could not read its end in time). Only a wait marked `inside` is cancelled, never the
+    consumer's own work between two snapshots; `caught` tells that cancel from any other."""
+
+    def __init__(self, handle: TurnHandle) -> None:
+        self._handle = handle
+        self._task = asyncio.current_task()
+        self._woke = False
+        self.inside = False
+        self._waiter = handle.unread()
+        self._waiter.add_done_callback(self._wake)
+
+    @property
+    def given_up(self) -> bool:
+        return self._handle.unreadable
+
+    def _wake(self, _: asyncio.Future[None]) -> None:
+        if self.inside and self._task is not None and not self._woke:
+            self._woke = True
+            self._task.cancel()
+
+    def caught(self) -> bool:
+        """The cancel being handled is this one's (it is taken back)."""
+        if not self._woke or self._task is None:
+            return False
+        self._woke = False
+        self._task.uncancel()
+        return True
+
+    def close(self) -> None:
+        self._waiter.remove_done_callback(self._wake)
+
+
+def unread_answer(run: TurnRun) -> ApiError:
+    """503 for a request whose turn's end this server could not read in time, cut off from its
+    cluster (docs/scale-out.md): no failure, which the turn may not have had (another server may
+    have run it), but an outcome unknown here; the same request with its Idempotency-Key, on
+    another server, follows that turn or runs it anew."""
+    return ApiError(
+        503,
+        "this server lost the database while the turn was running and could not read how it ended (it may "
+        "have run on another server of the cluster); send the request again with the same Idempotency-Key, "
+        "to another server if this one is still unavailable",
+        code="store_unavailable",
+        headers={"Retry-After": "1", HEADER: run.conversation_id},
+    )
 
 
 class TurnSeat:
@@ -1536,15 +1594,29 @@ async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[Tu
     that disconnects first cancels the turn it started and gets 499; a request whose credential
     ended first (credential_end.py) cancels it too and answers 401."""
 
-    async def wait() -> TurnSnapshot:
+    async def wait() -> TurnSnapshot | None:
         # Wake on pauses and the end only, not on every delta: a non-stream reply needs the outcome.
+        # None: its end cannot be read here (`Unread`).
         controller = run.handle.controller
         seen = run.after_revision
-        while True:
-            snap = await controller.wait_settled(after_revision=seen)
-            if snap.terminal or settled(snap):
-                return snap
-            seen = snap.revision  # paused for something this request does not end on: wait on
+        unread = Unread(run.handle)
+        try:
+            while not unread.given_up:
+                unread.inside = True
+                try:
+                    snap = await controller.wait_settled(after_revision=seen)
+                except asyncio.CancelledError:
+                    if unread.caught():
+                        return None
+                    raise
+                finally:
+                    unread.inside = False
+                if snap.terminal or settled(snap):
+                    return snap
+                seen = snap.revision  # paused for something this request does not end on: wait on
+            return None
+        finally:
+            unread.close()
 
     request.scope[CONVERSATION_SCOPE_KEY] = run.conversation_id  # a stop's 503 names it too
     try:
@@ -1561,5 +1633,7 @@ async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[Tu
             raise gone
         await run.cancel()
         raise ApiError(499, "the client closed the request", code="client_closed")
+    if outcome is None:
+        raise unread_answer(run)
     snap: TurnSnapshot = outcome
     return snap

@@ -73,6 +73,7 @@ from appserver.http.common import (
     start_turn,
     stream_replay,
     turn_error,
+    unread_answer,
     until_credential_ends,
     watch_credential,
 )
@@ -2544,6 +2545,13 @@ class _Run:
                         yield e
                     if settled:
                         break
+                if self.run.handle.unreadable and (last is None or not self.settled(last)):
+                    # its end cannot be read here (cut off from the cluster): an `error` event with
+                    # the 503 a retry with the key answers (`unread_answer`), nothing stored
+                    err = unread_answer(self.run)
+                    kept = True
+                    yield ev("error", code=err.code, message=err.message, param=None)
+                    return
                 ended = stopping.ended(asyncio.current_task())
                 if ended is not None and (last is None or not self.settled(last)):
                     # The credential ended (credential_end.py): the turn is cancelled and the

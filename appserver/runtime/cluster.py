@@ -149,14 +149,21 @@ class _Mirror:
     """A turn another server runs, as followed here. `started`: it left the queue (it runs or
     waits for answers there). A snapshot alone does not always say so: one rebuilt from the store
     shows a running turn in phase `queued`, as does the holder's first snapshot of a turn it
-    begins (queue position 0, before its first step)."""
+    begins (queue position 0, before its first step).
 
-    __slots__ = ("handle", "heard_at", "started")
+    `after`: the turn let go unsaved just before it in its conversation (`follow_elsewhere`); while
+    that one's mirror has not ended, this one's end is `held` (its clients hear the ends in the
+    conversation's order, as from a runtime: `ClusterLink._end`)."""
 
-    def __init__(self, handle: TurnHandle, *, started: bool | None = None) -> None:
+    __slots__ = ("handle", "heard_at", "started", "after", "held", "unsaved")
+
+    def __init__(self, handle: TurnHandle, *, started: bool | None = None, after: str | None = None) -> None:
         self.handle = handle
         self.heard_at = time.monotonic()
         self.started = _started(handle.controller.snapshot()) if started is None else started
+        self.after = after
+        self.held: TurnSnapshot | None = None
+        self.unsaved = False  # let go unsaved while cut off (`follow_elsewhere`)
 
 
 def _started(snap: TurnSnapshot) -> bool:
@@ -413,14 +420,45 @@ class ClusterLink:
             self._take(mirror, snap)
 
     def _take(self, mirror: _Mirror, snap: TurnSnapshot) -> None:
-        if mirror.handle.controller.mirror(snap) and _started(snap):
-            mirror.started = True
         mirror.heard_at = time.monotonic()
         if snap.terminal:
-            self.mirrors.pop(snap.turn_id, None)
-            self._ended[snap.turn_id] = None
-            if len(self._ended) > ENDED_REMEMBERED:
-                self._ended.popitem(last=False)
+            self._end(mirror, snap)
+            return
+        if mirror.handle.controller.mirror(snap) and _started(snap):
+            mirror.started = True
+
+    def _end(self, mirror: _Mirror, snap: TurnSnapshot) -> None:
+        """Publish a mirror's end, unless the turn let go before it (`_Mirror.after`) has not
+        ended here yet: then it is held, and that turn is read from the store at once (its end is
+        there first: the store orders a conversation's turns), and published after it."""
+        earlier = self.mirrors.get(mirror.after) if mirror.after is not None else None
+        if earlier is not None:
+            mirror.held = snap
+            self._spawn(self._read_now(earlier))
+            return
+        mirror.held = None
+        controller = mirror.handle.controller
+        controller.mirror(replace(snap, revision=max(snap.revision, controller.revision + 1)))
+        turn_id = snap.turn_id
+        self._drop(turn_id)
+        self._ended[turn_id] = None
+        if len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
+
+    def _drop(self, turn_id: str) -> None:
+        """Forget a mirror; publish the end a later one held for it (`_end`)."""
+        self.mirrors.pop(turn_id, None)
+        for later in [m for m in self.mirrors.values() if m.after == turn_id]:
+            later.after = None
+            if later.held is not None:
+                self._end(later, later.held)
+
+    async def _read_now(self, mirror: _Mirror) -> None:
+        try:
+            mirror.heard_at = time.monotonic()
+            await self._refresh(mirror.handle.turn_id, mirror)
+        except StoreUnavailable as exc:  # read again by the sweep
+            log.info("turn %s could not be read: %s", mirror.handle.turn_id, exc)
 
     def _track(self, handle: TurnHandle, *, started: bool | None = None) -> _Mirror:
         mirror = self.mirrors.get(handle.turn_id)
@@ -431,17 +469,50 @@ class ClusterLink:
             mirror.started = True
         return mirror
 
-    def follow_elsewhere(self, handle: TurnHandle) -> None:
+    def follow_elsewhere(self, handle: TurnHandle, after: str | None = None) -> None:
         """A turn of a runtime this server had to drop (it was judged gone, and its conversations
         were taken over), or to let go of (cut off from its cluster, it could not write the turn:
         `Kernel._cut_off`): from now on its handle follows the turn as a mirror, which reads the
         turn from the store (the sweep, every `STALE_S`) until it has ended, so the clients here
         hear how it really ended on the server that took it over. The handle's controller must
-        no longer be driven by a runtime."""
+        no longer be driven by a runtime. `after`: the turn let go just before it in its
+        conversation, whose end its clients hear first (`_end`)."""
         if handle.controller.status in TERMINAL_STATUSES or handle.turn_id in self.mirrors:
             return
-        mirror = self.mirrors[handle.turn_id] = _Mirror(handle)
+        mirror = self.mirrors[handle.turn_id] = _Mirror(handle, after=after)
+        mirror.unsaved = True
         mirror.heard_at = 0.0  # read at the next sweep
+
+    async def read_unsaved(self, conversation_id: str) -> None:
+        """Read the turns of the conversation let go unsaved here (`follow_elsewhere`) from the
+        store now, in their order: this server, back and holding it, is about to queue its turns
+        again (`Kernel._take_over`), and an end the store already holds (written by the store's
+        repair once back) is heard before the turns after it run, not at the next sweep."""
+        for turn_id, mirror in list(self.mirrors.items()):
+            if mirror.unsaved and mirror.handle.conversation_id == conversation_id and mirror.held is None:
+                mirror.heard_at = time.monotonic()
+                await self._refresh(turn_id, mirror)
+
+    def give_up_reading(self, handle: TurnHandle, after_s: float | None = None) -> None:
+        """A turn let go unsaved while cut off (`Kernel._cut_off`), followed in the store: if its
+        end has not been read `Cluster.unread_in` from now and this server is still cut off, a
+        request waiting for it is told the end could not be read (`TurnHandle.give_up_reading`:
+        http 503 `store_unavailable`, retried with its key on another server), never left waiting
+        as long as the cut lasts. Back meanwhile, the mirror reads the end within a few seconds
+        (a turn run elsewhere takes as long as it runs): looked at again a read wait later.
+        WebSocket subscribers keep following the mirror (they may unsubscribe)."""
+        delay = self.cluster.unread_in if after_s is None else after_s
+
+        def due() -> None:
+            if handle.controller.status in TERMINAL_STATUSES or handle.unreadable:
+                return
+            if self.cluster.cut_off:
+                log.warning("turn %s: its end could not be read from the database in time", handle.turn_id)
+                handle.give_up_reading()
+                return
+            self.give_up_reading(handle, self.cluster.read_wait_s)
+
+        asyncio.get_running_loop().call_later(delay, due)
 
     def _follow_soon(self, conversation_id: str) -> None:
         """Tell the holder at once that this server follows the conversation (the sweep renews it)."""
@@ -895,7 +966,7 @@ class ClusterLink:
     async def _refresh_stale(self, now: float) -> None:
         """Read from the store each mirror that heard nothing for `STALE_S`."""
         for turn_id, mirror in list(self.mirrors.items()):
-            if now - mirror.heard_at < STALE_S:
+            if now - mirror.heard_at < STALE_S or mirror.held is not None:
                 continue
             mirror.heard_at = now
             await self._refresh(turn_id, mirror)
@@ -904,7 +975,7 @@ class ClusterLink:
         store = self.kernel.store
         turn = await store.get_turn(turn_id)
         if turn is None:
-            self.mirrors.pop(turn_id, None)
+            self._drop(turn_id)
             return
         controller = mirror.handle.controller
         if turn.status in ("running", "awaiting"):
@@ -916,9 +987,11 @@ class ClusterLink:
             return
         built = await controller_from_store(store, turn, await store.list_pending(turn.id), follower=True)
         snap = built.snapshot()
+        if snap.terminal:
+            if self.mirrors.get(turn_id) is mirror:
+                self._end(mirror, snap)
+            return
         controller.mirror(replace(snap, revision=max(snap.revision, controller.revision + 1)))
-        if controller.status in TERMINAL_STATUSES:
-            self.mirrors.pop(turn_id, None)
 
     async def _show_draft(self, turn: TurnRecord, controller: TurnController) -> None:
         """A running turn whose holder's snapshots do not reach this server (none for `STALE_S`:

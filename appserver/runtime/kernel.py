@@ -621,6 +621,7 @@ class Kernel:
         link = self._link
         assert link is not None
         await link.taken(rt.conversation_id)
+        await link.read_unsaved(rt.conversation_id)  # their ends first, in the conversation's order
         for turn in await self.store.list_turns(rt.conversation_id, statuses=("running", "queued")):
             # asked now, not before the read: an input this server accepts meanwhile is its own
             # (running, if accepted into an idle conversation), and its queue is about to hold it
@@ -998,8 +999,11 @@ class Kernel:
             return False
         rt = self.runtimes.get(record.conversation_id)
         if rt is not None:
+            before: str | None = None  # its clients hear the ends in the conversation's order
             for handle in rt.let_go_unsaved(record.id, controller):
-                link.follow_elsewhere(handle)
+                link.follow_elsewhere(handle, after=before)
+                link.give_up_reading(handle)
+                before = handle.turn_id
         return True
 
     async def submit(self, req: SubmitRequest) -> Submission:

@@ -264,11 +264,23 @@ class Cluster:
         told it failed (runtime/finish.py): its end is read from the database once it can be."""
         return self._down_since is not None or self.fenced
 
+    @property
+    def read_wait_s(self) -> float:
+        """How long a read waits for the database at most: 2.5 heartbeats, never under READ_WAIT_MIN_S."""
+        return max(self.heartbeat_s * 2.5, READ_WAIT_MIN_S)
+
+    @property
+    def unread_in(self) -> float:
+        """Seconds a turn this server let go unsaved while cut off (runtime `Kernel._cut_off`) is
+        given for its end to be read from the database: until the others may have taken its
+        conversation over (`fenced_in`), then one read wait (`read_wait_s`) for the end they wrote.
+        A request still waiting for that end then is told it could not be read (http: 503)."""
+        return self.fenced_in + self.read_wait_s
+
     def answering(self, since: float) -> bool:
         """Has the database renewed this server's heartbeat since `since` (monotonic), or not yet
         been given 2.5 heartbeats (at least READ_WAIT_MIN_S) to?"""
-        waited = time.monotonic() - since
-        return self._beat_ok >= since or waited <= max(self.heartbeat_s * 2.5, READ_WAIT_MIN_S)
+        return self._beat_ok >= since or time.monotonic() - since <= self.read_wait_s
 
     async def answered(self, work: Awaitable[T], what: str) -> T:
         """`work` (a read: safe to give up), given up with StoreUnavailable once the database has

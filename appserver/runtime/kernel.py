@@ -34,6 +34,7 @@ from appserver.runtime.settle import (
     TurnEnd,
     acked_unseen,
     answered_result,
+    call_result,
     cancelled_results,
     close_unanswered,
     input_messages,
@@ -141,17 +142,7 @@ def delivered_results(
             continue
         answered.add(c["id"])
         text, is_error = answered_result(p, config)
-        out.append(
-            MessageRecord(
-                role="tool",
-                content=text,
-                turn_id=turn_id,
-                iteration=assistant.iteration,
-                tool_call_id=c["id"],
-                name=c["name"],
-                is_error=is_error,
-            )
-        )
+        out.append(call_result(assistant, turn_id, c, text, is_error=is_error))
     return out
 
 

@@ -275,18 +275,23 @@ def close_unanswered(
             continue
         answered.add(c["id"])
         why = not_run_text if started is not None and c["id"] not in started else text
-        out.append(
-            MessageRecord(
-                role="tool",
-                content=why(c["name"]),
-                turn_id=turn_id,
-                iteration=assistant.iteration,
-                tool_call_id=c["id"],
-                name=c["name"],
-                is_error=True,
-            )
-        )
+        out.append(call_result(assistant, turn_id, c, why(c["name"]), is_error=True))
     return out
+
+
+def call_result(
+    assistant: MessageRecord, turn_id: str, call: dict[str, Any], content: str, *, is_error: bool
+) -> MessageRecord:
+    """The `tool` message answering `call` of `assistant` with `content`."""
+    return MessageRecord(
+        role="tool",
+        content=content,
+        turn_id=turn_id,
+        iteration=assistant.iteration,
+        tool_call_id=call["id"],
+        name=call["name"],
+        is_error=is_error,
+    )
 
 
 def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecord]:

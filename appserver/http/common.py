@@ -96,21 +96,27 @@ async def read_body(request: Request) -> bytes:
 # with two, which one counts would be a guess (the first, silently), and an intermediary that
 # added its own would pick the conversation or the key without a word. Refused as a second
 # Content-Length is: 400, naming the header, with the code its malformed value gets.
-SINGLE_HEADERS = (("Idempotency-Key", "invalid_idempotency_key"), (HEADER, "invalid_conversation_id"))
+SINGLE_HEADERS = {
+    b"idempotency-key": ("Idempotency-Key", "invalid_idempotency_key"),
+    HEADER.lower().encode(): (HEADER, "invalid_conversation_id"),
+}
 
 
 def refuse_repeated_headers(request: Request) -> None:
-    """400 for a header of SINGLE_HEADERS sent more than once, before anything is read or run."""
-    for name, code in SINGLE_HEADERS:
-        count = len(request.headers.getlist(name))
+    """400 for a header of SINGLE_HEADERS sent more than once, before anything is read or run.
+    (One pass over the raw headers, which the server gives lower-cased: on every request.)"""
+    seen = [name for name, _ in request.scope["headers"] if name in SINGLE_HEADERS]
+    for raw in seen if len(seen) > 1 else ():
+        count = seen.count(raw)
         if count > 1:
+            name, code = SINGLE_HEADERS[raw]
             raise ApiError(400, f"the request has {count} {name} headers; send it once", code=code, param=name)
 
 
 def content_codings(request: Request) -> list[str]:
     """Every coding the request's Content-Encoding headers name, in order (several headers are one
     list, as HTTP has it): a coding named in a second header is no less applied."""
-    values = request.headers.getlist("content-encoding")
+    values = [v.decode("latin-1") for name, v in request.scope["headers"] if name == b"content-encoding"]
     return [c.strip().lower() for v in values for c in v.split(",") if c.strip()]
 
 
@@ -776,14 +782,13 @@ class Unread:
         self._task = asyncio.current_task()
         self._woke = False
         self.inside = False
-        self._waiter = handle.unread()
-        self._waiter.add_done_callback(self._wake)
+        handle.add_reader(self._wake)
 
     @property
     def given_up(self) -> bool:
         return self._handle.unreadable
 
-    def _wake(self, _: asyncio.Future[None]) -> None:
+    def _wake(self) -> None:
         if self.inside and self._task is not None and not self._woke:
             self._woke = True
             self._task.cancel()
@@ -797,7 +802,7 @@ class Unread:
         return True
 
     def close(self) -> None:
-        self._waiter.remove_done_callback(self._wake)
+        self._handle.remove_reader(self._wake)
 
 
 def unread_answer(run: TurnRun) -> ApiError:

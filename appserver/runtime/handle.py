@@ -3,7 +3,7 @@ pending call."""
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
@@ -17,25 +17,30 @@ class TurnHandle:
     turn_id: str
     conversation_id: str
     controller: TurnController
-    # Done once this server gave up reading the turn's end: cut off from its cluster, it let the
+    # Set once this server gave up reading the turn's end: cut off from its cluster, it let the
     # turn go unsaved and could not read how it ended in time (`ClusterLink.give_up_reading`).
-    _unread: asyncio.Future[None] | None = field(default=None, init=False, repr=False, compare=False)
+    unreadable: bool = field(default=False, init=False, repr=False, compare=False)
+    # What each request waiting on the turn's end is woken by then (`http/common.py Unread`): a
+    # list made only for a waiter, as the request path makes one per turn.
+    _readers: list[Callable[[], None]] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def unread(self) -> asyncio.Future[None]:
-        """What a request answering with the turn's end waits on beside the turn: once done, that
-        end cannot be read here (the turn may have run elsewhere), and the request says so."""
-        if self._unread is None:
-            self._unread = asyncio.get_running_loop().create_future()
-        return self._unread
+    def add_reader(self, wake: Callable[[], None]) -> None:
+        if self._readers is None:
+            self._readers = []
+        self._readers.append(wake)
+
+    def remove_reader(self, wake: Callable[[], None]) -> None:
+        if self._readers is not None and wake in self._readers:
+            self._readers.remove(wake)
 
     def give_up_reading(self) -> None:
-        waiter = self.unread()
-        if not waiter.done():
-            waiter.set_result(None)
-
-    @property
-    def unreadable(self) -> bool:
-        return self._unread is not None and self._unread.done()
+        """The turn's end cannot be read here (it may have run elsewhere): each request waiting for
+        it is woken to say so."""
+        if self.unreadable:
+            return
+        self.unreadable = True
+        for wake in list(self._readers or ()):
+            wake()
 
     async def wait_settled(self, timeout: float | None = None, *, after_revision: int = -1) -> TurnSnapshot:
         return await self.controller.wait_settled(timeout, after_revision=after_revision)

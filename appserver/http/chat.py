@@ -101,11 +101,15 @@ FINISH = {
 
 
 MEDIA_PARTS = ("file", "input_file", "input_audio")
+# The part types a refusal of an unknown one lists, in the spelling of the API the client called
+# (`parts_of` takes either route's parts: a client is pointed to its own API's).
+CHAT_PARTS = ("text", "image_url", "file", "input_audio")
+RESPONSES_PARTS = ("input_text", "input_image", "input_file", "input_audio", "output_text", "refusal")
 
 
-def content_of(content: Any, where: str) -> tuple[str, list[str]]:
+def content_of(content: Any, where: str, *, named: tuple[str, ...] = CHAT_PARTS) -> tuple[str, list[str]]:
     """(text, image urls) of a message's content; file and audio parts only come from users."""
-    text, images, _, _ = parts_of(content, where, media=False)
+    text, images, _, _ = parts_of(content, where, media=False, named=named)
     return text, images
 
 
@@ -177,60 +181,65 @@ def image_url_of(part: dict[str, Any], kind: str, at: str) -> tuple[str, Any]:
 
 
 def parts_of(
-    content: Any, where: str, *, media: bool = True
+    content: Any,
+    where: str,
+    *,
+    media: bool = True,
+    named: tuple[str, ...] = CHAT_PARTS,
+    key: str = "content",
 ) -> tuple[str, list[str], list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(text, image urls, file/audio parts, every part in order) of a message's content. The
     ordered parts are in the shape providers take (`text`, `image_url` with its `detail` when
     sent, `file`, `input_audio`), as the client sent them: none merged or moved. None for plain
-    string content. A part this server cannot pass on is refused by name, never dropped."""
+    string content. A part this server cannot pass on is refused by name, never dropped: an
+    unknown type naming `where.key[j].type` and listing the types `named` (the route's own).
+    `key`: the field holding the parts (a function_call_output's `output`)."""
     if content is None:
         return "", [], [], None
     if isinstance(content, str):
         return content, [], [], None
     if not isinstance(content, list):
-        raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
+        raise fields.type_error(f"{where}.{key}", "one of a string or array of objects", content)
     texts: list[str] = []
     images: list[str] = []
     media_parts: list[dict[str, Any]] = []
     ordered: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
+        at = f"{where}.{key}[{j}]"
         fields.obj(part, at, nullable=False)
         kind = fields.required_string(part, "type", f"{at}.type")
         if kind in ("text", "input_text", "output_text", "refusal"):
-            key = "refusal" if kind == "refusal" and "text" not in part else "text"
-            text = fields.required_string(part, key, f"{at}.{key}")
+            text_key = "refusal" if kind == "refusal" and "text" not in part else "text"
+            text = fields.required_string(part, text_key, f"{at}.{text_key}")
             texts.append(text)
             ordered.append({"type": "text", "text": text})
         elif kind in ("image_url", "input_image"):
             url, image = image_url_of(part, kind, at)
             problem = image_url_problem(url)
             if problem is not None:
-                raise bad_request(f"{where}.content[{j}]: {problem}", f"{where}.content", code="invalid_image_url")
+                raise bad_request(f"{at}: {problem}", f"{where}.{key}", code="invalid_image_url")
             if kind == "image_url":
                 detail = image.get("detail") if isinstance(image, dict) else None
-                detail = fields.one_of(detail, f"{where}.content[{j}].image_url.detail", IMAGE_DETAILS)
+                detail = fields.one_of(detail, f"{at}.image_url.detail", IMAGE_DETAILS)
             else:
-                detail = fields.one_of(part.get("detail"), f"{where}.content[{j}].detail", INPUT_IMAGE_DETAILS)
+                detail = fields.one_of(part.get("detail"), f"{at}.detail", INPUT_IMAGE_DETAILS)
             images.append(url)
             ordered.append(
                 {"type": "image_url", "image_url": {"url": url, "detail": detail} if detail else {"url": url}}
             )
         elif kind in MEDIA_PARTS and media:
-            media_parts.append(media_part(part, f"{where}.content[{j}]"))
+            media_parts.append(media_part(part, at))
             ordered.append(media_parts[-1])
         elif kind in MEDIA_PARTS:
             raise bad_request(
-                f"{where}.content[{j}]: unsupported content part '{kind}': "
-                "only user messages may carry files and audio",
-                f"{where}.content",
+                f"{at}: unsupported content part '{kind}': only user messages may carry files and audio",
+                f"{where}.{key}",
                 code="unsupported_content_part",
             )
         else:
             raise bad_request(
-                f"{where}.content[{j}]: unsupported content part '{kind}' "
-                "(supported: text, image_url, file, input_audio)",
-                f"{where}.content",
+                f"{at}: unsupported content part {fields.shown(kind)} (supported: {', '.join(named)})",
+                f"{at}.type",
                 code="unsupported_content_part",
             )
     return join_texts(texts), images, media_parts, ordered

@@ -6,12 +6,18 @@ allows null; with `nullable=False` a null is refused like any other wrong type."
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from appserver.http.common import json_int, json_type
 from appserver.http.errors import ApiError
+
+# An object's fields as `shaped` checks them: (name, JSON type), the type ending in "?" when the
+# field is optional (absent or null: not given), else required.
+Fields = tuple[tuple[str, str], ...]
 
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 SHOWN_MAX = 200  # characters of a client's value an error message quotes
@@ -274,3 +280,47 @@ def logit_bias(value: Any, param: str = "logit_bias") -> dict[str, int] | None:
             )
         integer(bias, f"{param}.{key}", low=-LOGIT_BIAS_MAX, high=LOGIT_BIAS_MAX, nullable=False)
     return biases
+
+
+def any_number(value: Any, param: str, *, nullable: bool = True) -> float | None:
+    """A JSON number without a range (a log probability)."""
+    return number(value, param, low=-math.inf, high=math.inf, nullable=nullable)
+
+
+TYPE_CHECKS: Mapping[str, Callable[..., Any]] = MappingProxyType(
+    {"string": string, "integer": integer, "number": any_number, "boolean": boolean, "object": obj, "array": array}
+)
+
+
+def shaped(value: Any, param: str, spec: Fields) -> dict[str, Any]:
+    """`value`, an object (null is refused too), with each field of `spec` of its JSON type: a
+    required one left out is `missing_required_parameter`, null or another type `invalid_type`; an
+    optional one may be absent or null (not given), each named by its path (`param.name`). Other
+    keys are not looked at: the objects checked so (an annotation, a log probability, a listed
+    tool) are open in OpenAI's description."""
+    entry = obj(value, param, nullable=False)
+    assert entry is not None
+    for name, kind in spec:
+        at = f"{param}.{name}"
+        if kind.endswith("?"):
+            TYPE_CHECKS[kind[:-1]](entry.get(name), at)
+        else:
+            TYPE_CHECKS[kind](required(entry, name, at), at, nullable=False)
+    return entry
+
+
+def typed(value: Any, param: str, shapes: Mapping[str, Fields]) -> dict[str, Any]:
+    """`value`, an object whose required `type` is one of `shapes` (else `invalid_value` naming
+    `param.type`), with that type's fields (`shaped`): a member of a union OpenAI discriminates by
+    `type` (an annotation, an MCP call's error)."""
+    entry = obj(value, param, nullable=False)
+    assert entry is not None
+    kind = one_of(required(entry, "type", f"{param}.type"), f"{param}.type", tuple(shapes), nullable=False)
+    assert kind is not None
+    return shaped(entry, param, shapes[kind])
+
+
+def each(value: Any, param: str, check: Callable[[Any, str], Any], *, nullable: bool = True) -> None:
+    """`value`, an array (null too when `nullable`), each entry passing `check(entry, param[k])`."""
+    for k, entry in enumerate(array(value, param, nullable=nullable) or ()):
+        check(entry, f"{param}[{k}]")

@@ -14,7 +14,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
@@ -28,6 +28,7 @@ from appserver.auth import Principal, conversation_namespace, namespace_allows
 from appserver.http import fields
 from appserver.http.chat import (
     REASONING_EFFORTS,
+    RESPONSES_PARTS,
     SERVICE_TIERS,
     VERBOSITY,
     allowed_tools_of,
@@ -200,6 +201,7 @@ def shape_of(body: dict[str, Any], agent: AgentRecord) -> Shape:
         user=body.get("user"),
         safety_identifier=body.get("safety_identifier"),
         prompt_cache_key=body.get("prompt_cache_key"),
+        prompt_cache_retention=body.get("prompt_cache_retention"),
         shown_instructions=body.get("instructions"),
         service_tier=str(body.get("service_tier") or "default"),
         label=label_of(body.get("tools"), body.get("tool_choice")),
@@ -357,12 +359,65 @@ PART_KEYS = MappingProxyType(
 FILE_DETAILS = ("auto", "low", "high")
 CACHE_BREAKPOINT_MODES = ("explicit",)
 
+# The fields of the items taken without being read for the model (this server's output items a
+# stateless client resends), as OpenAI's description types them (`ReasoningItem`, `MCPToolCall`,
+# `MCPApprovalRequest`, `MCPListTools`; "?": optional): a malformed one is refused as any other
+# item is, never taken silently.
+MCP_CALL_FIELDS: fields.Fields = (
+    ("id", "string"),
+    ("server_label", "string"),
+    ("name", "string"),
+    ("arguments", "string"),
+)
+ITEM_FIELDS: Mapping[str, fields.Fields] = MappingProxyType(
+    {
+        "reasoning": (("id", "string"), ("summary", "array"), ("content", "array?"), ("encrypted_content", "string?")),
+        "mcp_call": (*MCP_CALL_FIELDS, ("output", "string?"), ("approval_request_id", "string?")),
+        "mcp_approval_request": MCP_CALL_FIELDS,
+        "mcp_list_tools": (("id", "string"), ("server_label", "string"), ("tools", "array"), ("error", "string?")),
+    }
+)
+TEXT_FIELDS: fields.Fields = (("text", "string"),)
+SUMMARY_PARTS: Mapping[str, fields.Fields] = MappingProxyType({"summary_text": TEXT_FIELDS})
+REASONING_PARTS: Mapping[str, fields.Fields] = MappingProxyType({"reasoning_text": TEXT_FIELDS})
+LISTED_TOOL_FIELDS: fields.Fields = (
+    ("name", "string"),
+    ("input_schema", "object"),
+    ("description", "string?"),
+    ("annotations", "object?"),
+)
+# `MCPToolCallError`: `mcp_tool_execution_error`'s `content` may be anything
+MCP_CALL_ERRORS: Mapping[str, fields.Fields] = MappingProxyType(
+    {
+        "mcp_protocol_error": (("code", "integer"), ("message", "string")),
+        "mcp_tool_execution_error": (),
+        "http_error": (("code", "integer"), ("message", "string")),
+    }
+)
+# an output_text part's `annotations` (`Annotation`, by type) and `logprobs` (`LogProb`, `TopLogProb`)
+ANNOTATIONS: Mapping[str, fields.Fields] = MappingProxyType(
+    {
+        "file_citation": (("file_id", "string"), ("index", "integer"), ("filename", "string")),
+        "url_citation": (("url", "string"), ("start_index", "integer"), ("end_index", "integer"), ("title", "string")),
+        "container_file_citation": (
+            ("container_id", "string"),
+            ("file_id", "string"),
+            ("start_index", "integer"),
+            ("end_index", "integer"),
+            ("filename", "string"),
+        ),
+        "file_path": (("file_id", "string"), ("index", "integer")),
+    }
+)
+TOP_LOGPROB_FIELDS: fields.Fields = (("token", "string"), ("logprob", "number"), ("bytes", "array"))
+LOGPROB_FIELDS: fields.Fields = (*TOP_LOGPROB_FIELDS, ("top_logprobs", "array"))
+
 
 def item_keys(item: dict[str, Any], where: str, kind: str) -> None:
     """An input item of type `kind` (one of ITEM_KEYS) holds only that type's keys, its `status`
     (and a message's `phase`) one of OpenAI's values and its `id` a string, each named by its path
     when not. Its content parts (a message's `content`, a function_call_output's `output`) are
-    checked by `part_keys`."""
+    checked by `part_keys`, the fields of an item taken unread (ITEM_FIELDS) by `item_fields`."""
     fields.known_keys(item, where, ITEM_KEYS[kind])
     fields.string(item.get("id"), f"{where}.id")
     statuses = MCP_CALL_STATUSES if kind == "mcp_call" else ITEM_STATUSES
@@ -373,6 +428,31 @@ def item_keys(item: dict[str, Any], where: str, kind: str) -> None:
         part_keys(item.get("content"), f"{where}.content")
     elif kind == "function_call_output":
         part_keys(item.get("output"), f"{where}.output")
+    elif kind in ITEM_FIELDS:
+        item_fields(item, where, kind)
+
+
+def item_fields(item: dict[str, Any], where: str, kind: str) -> None:
+    """The fields of an item this server takes without reading it (ITEM_FIELDS), down to its
+    entries (a reasoning item's summary and text parts, an MCP call's error, a listed tool): what
+    is not read is still what OpenAI takes, so a client that passes here passes there."""
+    fields.shaped(item, where, ITEM_FIELDS[kind])
+    if kind == "reasoning":
+        fields.each(item["summary"], f"{where}.summary", lambda p, at: fields.typed(p, at, SUMMARY_PARTS))
+        fields.each(item.get("content"), f"{where}.content", lambda p, at: fields.typed(p, at, REASONING_PARTS))
+    elif kind == "mcp_list_tools":
+        fields.each(item["tools"], f"{where}.tools", lambda t, at: fields.shaped(t, at, LISTED_TOOL_FIELDS))
+    elif kind == "mcp_call" and item.get("error") is not None:
+        fields.typed(item["error"], f"{where}.error", MCP_CALL_ERRORS)
+
+
+def logprob(value: Any, param: str, *, top: bool = True) -> None:
+    """An output_text's `logprobs` entry (OpenAI's `LogProb`: token, logprob, bytes of integers and
+    its `top_logprobs`, each a `TopLogProb` of the first three; `top` False), all required."""
+    entry = fields.shaped(value, param, LOGPROB_FIELDS if top else TOP_LOGPROB_FIELDS)
+    fields.each(entry["bytes"], f"{param}.bytes", lambda b, at: fields.integer(b, at, nullable=False))
+    if top:
+        fields.each(entry["top_logprobs"], f"{param}.top_logprobs", lambda t, at: logprob(t, at, top=False))
 
 
 def part_keys(parts: Any, where: str) -> None:
@@ -388,8 +468,9 @@ def part_keys(parts: Any, where: str) -> None:
         fields.known_keys(part, at, PART_KEYS[kind])
         if kind == "input_file":
             fields.one_of(part.get("detail"), f"{at}.detail", FILE_DETAILS)
-        for key in ("annotations", "logprobs"):
-            fields.array(part.get(key), f"{at}.{key}")
+        elif kind == "output_text":
+            fields.each(part.get("annotations"), f"{at}.annotations", lambda a, p: fields.typed(a, p, ANNOTATIONS))
+            fields.each(part.get("logprobs"), f"{at}.logprobs", logprob)
         breakpoint_ = fields.obj(part.get("prompt_cache_breakpoint"), f"{at}.prompt_cache_breakpoint")
         if breakpoint_ is not None:
             fields.known_keys(breakpoint_, f"{at}.prompt_cache_breakpoint", ("mode",))
@@ -425,8 +506,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
     for i, item in enumerate(value):
         where = f"input[{i}]"
         fields.obj(item, where, nullable=False)
-        # an item without a type is a message (OpenAI's EasyInputMessage): its role is then required
-        kind = fields.string(item.get("type"), f"{where}.type") or "message"
+        kind = item_type(item, where)
         if kind in ITEM_KEYS:
             item_keys(item, where, kind)
         if kind == "message":
@@ -436,7 +516,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             assert role is not None
             # every message item of the input, not only the new one: content is required (OpenAI)
             content = message_content(item, where)
-            text, images, media, ordered = parts_of(content, where, media=role == "user")
+            text, images, media, ordered = parts_of(content, where, media=role == "user", named=RESPONSES_PARTS)
             if images and role != "user":
                 raise no_images(where, role, "input", "input_image")
             # input_items lists every text part as sent (the model gets them as one text: join_texts)
@@ -450,7 +530,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                         "type": "message",
                         "role": "assistant",
                         "status": "completed",
-                        "content": [text_part({}, t) for t in texts],
+                        "content": assistant_parts(content),
                     }
                 )
             elif role == "user":
@@ -502,7 +582,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                 raise bad_request(f"{where}.call_id is required", f"{where}.call_id", code="missing_call_id")
             shown_output: str | list[dict[str, Any]] = output if isinstance(output, str) else ""
             if isinstance(output, list):
-                output, images, _, ordered = parts_of(output, where, media=False)
+                output, images, _, ordered = parts_of(output, where, media=False, named=RESPONSES_PARTS, key="output")
                 if images:
                     raise no_images(where, "function_call_output", "input", "input_image")
                 # the model gets the parts as one text; input_items lists each as sent
@@ -559,6 +639,46 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
     return out
 
 
+def item_type(item: dict[str, Any], where: str) -> str:
+    """An input item's type: an item without one (or with a null one, an optional field read as
+    not given, as SDKs dump a typeless message) is a message (OpenAI's EasyInputMessage, whose
+    role is then required); a `type` given must name one: another JSON type is `invalid_type`, an
+    empty string `invalid_value`, both naming `input[i].type`, never read as a message (a
+    `function_call_output` so typed would otherwise be refused for its `call_id`)."""
+    if item.get("type") is None:
+        return "message"
+    kind = fields.string(item["type"], f"{where}.type", nullable=False)
+    if not kind:
+        raise ApiError(
+            400,
+            f"Invalid value for '{where}.type': ''. Supported values are: {fields.listed(SUPPORTED_ITEMS)}.",
+            code="invalid_value",
+            param=f"{where}.type",
+        )
+    return kind
+
+
+def assistant_parts(content: str | list[Any]) -> list[dict[str, Any]]:
+    """An assistant message's content as input_items lists it: each part as sent, in the types an
+    assistant message has (OpenAI's `OutputMessage`): a `refusal` a refusal, an `output_text` with
+    its `annotations` and `logprobs`, a text part of another type (`input_text`, Chat's `text`) an
+    `output_text`. String content is one `output_text`. `parts_of` has checked the parts (an
+    assistant message holds text parts only)."""
+    if isinstance(content, str):
+        return [text_part({}, content)]
+    shown: list[dict[str, Any]] = []
+    for part in content:
+        if part["type"] == "refusal" and "text" not in part:
+            shown.append({"type": "refusal", "refusal": part["refusal"]})
+            continue
+        listed = text_part({}, part["text"])
+        if part["type"] == "output_text":
+            listed["annotations"] = part.get("annotations") or []
+            listed["logprobs"] = part.get("logprobs") or []
+        shown.append(listed)
+    return shown
+
+
 def _input_part(part: dict[str, Any]) -> dict[str, Any]:
     """A content part (in the shape providers take) as input_items lists it."""
     if part["type"] == "text":
@@ -598,8 +718,9 @@ async def resolve_references(value: Any, lookup: Any) -> Any:
 
 def is_reference(item: Any) -> bool:
     """An `item_reference` input item: so typed, or (OpenAI's ItemReferenceParam, whose `type` is
-    optional) an object of an `id` alone (with a null `type`); one with more keys is read as the
-    message it would be without its role, and refused for that."""
+    optional) an object of an `id` alone (with a null `type`); one with more keys is no reference:
+    without a `type` it is read as the message it would be (and refused for its missing role),
+    with a null one refused for that (`item_type`)."""
     if not isinstance(item, dict):
         return False
     if item.get("type") == "item_reference":
@@ -636,7 +757,7 @@ def instructions_of(value: Any) -> tuple[str | None, str | list[dict[str, Any]] 
         fields.one_of(item.get("type"), f"{where}.type", ("message",))
         fields.required(item, "role", f"{where}.role")
         fields.one_of(item.get("role"), f"{where}.role", INSTRUCTION_ROLES, nullable=False)
-        text, images = content_of(message_content(item, where), where)
+        text, images = content_of(message_content(item, where), where, named=RESPONSES_PARTS)
         if images:
             raise no_images(where, "instructions", "instructions", "input_image")
         texts.append(text)
@@ -688,6 +809,7 @@ MCP_CONNECTORS = (
 )
 TUNNEL_ID = re.compile(r"tunnel_[a-z0-9]{32}")
 TOOL_CALLERS = ("direct", "programmatic")
+FUNCTION_TOOL_ECHOED = ("output_schema", "defer_loading", "allowed_callers")  # the SDK's `async` is no Response field
 
 
 def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
@@ -741,6 +863,8 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
                 "description": desc,
                 "parameters": params,
                 "strict": bool(t.get("strict")) if t.get("strict") is not None else None,
+                # the fields of OpenAI's FunctionTool taken and not used, echoed when sent
+                **{k: t[k] for k in FUNCTION_TOOL_ECHOED if t.get(k) is not None},
             }
         )
     return specs, shown
@@ -1124,17 +1248,25 @@ def text_of(value: Any) -> dict[str, Any]:
 
 
 def reasoning_of(value: Any) -> dict[str, Any]:
-    """`reasoning` as the Response object echoes it (effort and summary, null when not sent)."""
+    """`reasoning` as the Response object echoes it: effort and summary (null when not sent), and
+    the other fields of OpenAI's `Reasoning` when sent (`generate_summary`, the deprecated
+    spelling of `summary`, `context`, `mode`): what is accepted is echoed, never dropped."""
     reasoning = fields.obj(value, "reasoning")
     if reasoning is None:
         return {"effort": None, "summary": None}
     fields.known_keys(reasoning, "reasoning", REASONING_KEYS)
     effort = fields.one_of(reasoning.get("effort"), "reasoning.effort", REASONING_EFFORTS)
     summary = fields.one_of(reasoning.get("summary"), "reasoning.summary", REASONING_SUMMARIES)
-    fields.one_of(reasoning.get("generate_summary"), "reasoning.generate_summary", REASONING_SUMMARIES)
-    fields.one_of(reasoning.get("context"), "reasoning.context", REASONING_CONTEXTS)
-    fields.string(reasoning.get("mode"), "reasoning.mode")
-    return {"effort": effort, "summary": summary}
+    shown: dict[str, Any] = {"effort": effort, "summary": summary}
+    sent = {
+        "generate_summary": fields.one_of(
+            reasoning.get("generate_summary"), "reasoning.generate_summary", REASONING_SUMMARIES
+        ),
+        "context": fields.one_of(reasoning.get("context"), "reasoning.context", REASONING_CONTEXTS),
+        "mode": fields.string(reasoning.get("mode"), "reasoning.mode"),
+    }
+    shown.update((k, v) for k, v in sent.items() if v is not None)
+    return shown
 
 
 def response_options(body: dict[str, Any]) -> dict[str, Any]:
@@ -1221,6 +1353,7 @@ class Shape:
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     shown_instructions: str | list[dict[str, Any]] | None = None
     service_tier: str = "default"
     # the `server_label` the request named this agent by (its id or its name): its server tool
@@ -1456,6 +1589,7 @@ def response_body(
         "metadata": shape.metadata,
         "safety_identifier": shape.safety_identifier,
         "prompt_cache_key": shape.prompt_cache_key,
+        "prompt_cache_retention": shape.prompt_cache_retention,
     }
     if shape.user is not None:  # Response.user is a string (not nullable): present when sent
         body["user"] = shape.user
@@ -1900,6 +2034,7 @@ class Responses:
             user=user,
             safety_identifier=body.get("safety_identifier"),
             prompt_cache_key=body.get("prompt_cache_key"),
+            prompt_cache_retention=body.get("prompt_cache_retention"),
             shown_instructions=shown_instructions,
             label=label_of(shown_tools, body.get("tool_choice")),
         )

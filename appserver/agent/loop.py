@@ -112,6 +112,33 @@ OWN_SYSTEM = "own_system"
 # WebSocket protocol, calls that expired) makes that call with `auto` (`_drop_tool_choice`).
 ANSWERED_AT = "answered_at"
 
+# A Responses request's `max_tool_calls`: how many calls of the server's own tools (OpenAI's
+# "built-in tools") its turn may process. Calls past it are not run (their result says so) and
+# the server's tools are no longer offered to the model; the client's function tools are not
+# counted (the client runs them).
+MAX_TOOL_CALLS = "max_tool_calls"
+
+
+def server_calls_made(work: TurnWork) -> int:
+    """The calls of the server's tools the turn's model asked for so far, in every step (those of
+    earlier segments are in the history: a turn's messages end it)."""
+    made = 0
+    for m in reversed([*work.history, *work.new_messages]):
+        if m.turn_id != work.turn_id:
+            break
+        if m.role == "assistant":
+            made += sum(1 for c in m.tool_calls if c.get("executor") != "client")
+    return made
+
+
+def tool_calls_left(work: TurnWork, *, besides: int = 0) -> int | None:
+    """What the turn's MAX_TOOL_CALLS leaves of the server's tool calls (None: no cap; below 0:
+    more were asked for), not counting the last `besides` calls asked for."""
+    cap = work.options.get(MAX_TOOL_CALLS)
+    if not isinstance(cap, int) or isinstance(cap, bool):
+        return None
+    return cap - server_calls_made(work) + besides
+
 
 def provider_params(agent: AgentRecord, options: dict[str, Any]) -> dict[str, Any]:
     """The sampling and shape options a model call of `agent` is sent: the agent's params, and the
@@ -148,6 +175,26 @@ def model_call_params(providers: ProviderRegistry, agent: AgentRecord, options: 
     mode = "auto" if sent.get("tool_choice") == "auto" else spec.get("mode")
     sent["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {**spec, "mode": mode}}
     return sent
+
+
+def choice_without_withheld(choice: Any, offered: set[str]) -> Any:
+    """A tool choice for a model call offered only `offered` (the server's tools withheld past
+    max_tool_calls): one naming or requiring a tool no longer offered is `auto` (none when no
+    tool is offered), never a choice the provider refuses."""
+    if choice in (None, "none", "auto"):
+        return choice
+    if not offered:
+        return None
+    if isinstance(choice, dict):
+        spec = allowed_spec(choice)
+        names = (
+            allowed_names(spec)
+            if spec is not None
+            else [choice.get("name") or (choice.get("function") or {}).get("name")]
+        )
+        if not any(n in offered for n in names):
+            return "auto"
+    return choice
 
 
 def allowed_spec(choice: Any) -> dict[str, Any] | None:
@@ -394,11 +441,15 @@ class AgentLoop:
         params = provider_params(work.agent, work.options)
         # a client tool shadows the agent's own tool of that name (it is the one executed: _stream_step)
         client_names = {t.name for t in work.client_tools}
+        left = tool_calls_left(work)
+        capped = left is not None and left <= 0  # max_tool_calls reached: the server's tools withheld
         tools = [
             t.spec()
-            for t in self.tools.offered(work.agent)
+            for t in ([] if capped else self.tools.offered(work.agent))
             if t.name not in client_names and turn_offers(work.options, t.name)
         ] + list(work.client_tools)
+        if capped:
+            params["tool_choice"] = choice_without_withheld(params.get("tool_choice"), {t.name for t in tools})
         spec = allowed_spec(params.get("tool_choice"))
         if spec is not None:
             names = allowed_names(spec)
@@ -655,8 +706,20 @@ class AgentLoop:
     async def _dispatch_calls(self, work: TurnWork, calls: list[dict[str, Any]], emit: Emit) -> None:
         runnable: list[tuple[dict[str, Any], Tool, dict[str, Any]]] = []
         now = time.time()
+        # what the cap left before this step's calls (in the turn's messages now)
+        left = tool_calls_left(work, besides=sum(1 for c in calls if c.get("executor") != "client"))
         for call in calls:
             call_id, name, arguments = call["id"], call["name"], call["arguments"]
+            if left is not None and call.get("executor") != "client":
+                left -= 1
+                if left < 0:
+                    cap = work.options.get(MAX_TOOL_CALLS)
+                    msg = (
+                        f"The call to {shown(name)} was not executed: the request allows {cap} tool calls "
+                        "(max_tool_calls)."
+                    )
+                    self._result(work, call_id, name, ToolOutput(msg, True), emit)
+                    continue
             if call.get("executor") == "client":
                 timeout = float(work.options.get("client_tool_timeout_s") or self.config.limits.client_tool_timeout_s)
                 work.pending.append(

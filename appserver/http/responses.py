@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 from starlette.requests import Request
 from starlette.responses import Response
 
-from appserver.agent.loop import ASKED_TOOLS, OFFERED_TOOLS, OWN_SYSTEM, model_call_params
+from appserver.agent.loop import ASKED_TOOLS, MAX_TOOL_CALLS, OFFERED_TOOLS, OWN_SYSTEM, model_call_params
 from appserver.agent.tools import Tool
 from appserver.auth import Principal, conversation_namespace, namespace_allows
 from appserver.http import fields
@@ -1275,6 +1275,8 @@ def response_options(body: dict[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = number_options(body, ("max_output_tokens",))
     if isinstance(body.get("parallel_tool_calls"), bool):
         opts["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if isinstance(body.get("max_tool_calls"), int) and not isinstance(body["max_tool_calls"], bool):
+        opts[MAX_TOOL_CALLS] = body["max_tool_calls"]  # the server's tool calls its turn may process
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
         opts["reasoning_effort"] = reasoning["effort"]

@@ -733,12 +733,14 @@ class Gateway:
         await self._fail_telling(runner, entries, reason, notice, force=True)
 
     async def _acknowledge_queued(self, runner: AccountRunner, entry: Entry) -> None:
-        """A message that waits behind a running turn gets a reaction where the platform can."""
+        """A message that waits behind a running turn gets a reaction where the platform can: best
+        effort, skipped when rate limited, so the cosmetic call never holds the chat's replies."""
         adapter = runner.adapter
         if adapter is None or not adapter.limits.can_react:
             return
         try:
-            await self.outboxes.of(runner).react(Target(entry.chat, entry.thread), entry.key.message_id, "👀")
+            target = Target(entry.chat, entry.thread)
+            await self.outboxes.of(runner).react(target, entry.key.message_id, "👀", best_effort=True)
         except (DeliveryFailed, RuntimeError) as exc:
             log.info("%s: could not mark the message as queued: %s", entry.key, exc)
 

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from gateway.ratelimit import ChatRateLimiter, RetryAfter
+from gateway.ratelimit import LOOKUP, MESSAGE, REACTION, ChatRateLimiter, RetryAfter
 from gateway.split import SOURCE_FACTOR, fences_on_own_lines, split_message
 from plugins.contract import Adapter, DeliveryError, Target, shorten
 
@@ -60,6 +60,10 @@ MAX_RETRY_AFTER_S = 300.0  # a platform's retry_after beyond this (or infinite) 
 # connection dropped): a lookup that finds nothing sooner than this after it began looks once more
 # then, before the part is sent again.
 LOOKUP_SETTLE_S = 3.0
+# A reaction the gateway makes on its own (the 👀 on a queued message) is cosmetic: one that cannot go
+# within this (its kind rate limited in the chat, the chat's queue busy) is skipped, never queued
+# behind minutes, and a "wait" answer to it is not retried.
+REACT_WITHIN_S = 5.0
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
@@ -75,8 +79,10 @@ class EditRefused(DeliveryFailed):
 
 class EditUncertain(DeliveryFailed):
     """An edit given up after an attempt that may have been performed (no answer in time, a dropped
-    connection): it most likely landed, and an edit repeats harmlessly, so it is never replaced by a
-    new message."""
+    connection, Slack's `internal_error`): it most likely landed, and an edit repeats harmlessly, so
+    it is replaced by a new message only where the platform shows that it did not land
+    (`Outbox.edit_landed`); a reply whose final edit the platform was asked about and could not
+    vouch for is not `delivered`."""
 
 
 class SendRefused(DeliveryFailed):
@@ -326,7 +332,7 @@ class Outbox:
             if text is None:
                 return None  # a repeat would post anew, and the text to look for is unknown
             formatted = self.format(text)
-            return await self._call(target.chat, lambda: self._look_posted(target, since, formatted))
+            return await self._call(target.chat, lambda: self._look_posted(target, since, formatted), LOOKUP)
 
         async def lookup() -> list[str] | None:
             found = await self._find(target, since, False)
@@ -336,7 +342,7 @@ class Outbox:
                 found = await self._find(target, since, False)
             return found
 
-        return await self._call(target.chat, lookup)
+        return await self._call(target.chat, lookup, LOOKUP)
 
     def _dedupe_window(self) -> float:
         """How long the platform dedupes a repeated key (`dedupe_window_s`; unbounded when not said)."""
@@ -385,7 +391,9 @@ class Outbox:
         try:
             found = await find(target, since)
         except DeliveryError as exc:
-            if not exc.permanent or exc.retry_after is not None:
+            if exc.retry_after is not None and not exc.permanent:
+                raise asked_to_wait(exc, LOOKUP) from exc  # holds back lookups, not the chat's sends
+            if not exc.permanent:
                 raise
             if doubted_here:
                 log.error(
@@ -429,6 +437,30 @@ class Outbox:
                 raise EditUncertain(str(exc)) from exc
             raise
 
+    @property
+    def shows_messages(self) -> bool:
+        """Whether the platform can be asked what a message shows now (the adapter's `shown`)."""
+        return callable(getattr(self.adapter, "shown", None))
+
+    async def edit_landed(self, target: Target, message_id: str, text: str, before: str | None) -> bool | None:
+        """Whether an edit of `message_id` to `text` that may not have landed did: the message as
+        the platform shows it now (the adapter's optional `shown`, Slack's history lookup) reads
+        `text` (True) or still `before`, the text it had (False); None when it cannot tell (no
+        `shown`, the lookup failed, or the message reads neither)."""
+        shown = getattr(self.adapter, "shown", None)
+        if not callable(shown):
+            return None
+        try:
+            now = await self._call(target.chat, lambda: shown(target, message_id), LOOKUP)
+        except DeliveryFailed as exc:
+            log.warning("%s: cannot look up whether the edit of %s landed (%s)", target.chat, message_id, exc)
+            return None
+        if now is not None and now == self.format(text):
+            return True
+        if now is not None and before is not None and now == self.format(before):
+            return False
+        return None
+
     async def edit_prompt(self, target: Target, message_id: str, text: str, short_id: str | None) -> None:
         """Edit an approval prompt: with its buttons while `short_id` is pending, without them once
         decided (None). The gateway says which, so this holds for a prompt posted before a restart;
@@ -440,13 +472,38 @@ class Outbox:
         formatted = self.format(text)
         await self._call(target.chat, lambda: edit_prompt(target, message_id, formatted, short_id))
 
-    async def react(self, target: Target, message_id: str, emoji: str) -> None:
+    async def react(self, target: Target, message_id: str, emoji: str, *, best_effort: bool = False) -> None:
+        """React to a message. Its rate limit holds back only the chat's reactions. `best_effort` (a
+        reaction of the gateway's own): one attempt, skipped (`DeliveryFailed`) when it cannot go
+        within `REACT_WITHIN_S` or the platform asks to wait."""
         react = getattr(self.adapter, "react", None)
         if not callable(react):
             raise DeliveryFailed("this channel cannot react to messages")
-        await self._call(target.chat, lambda: react(target, message_id, emoji))
+        if not best_effort:
+            await self._call(target.chat, lambda: react(target, message_id, emoji), REACTION)
+            return
+        blocked = self.limiter.blocked_for(target.chat, REACTION)
+        if blocked > REACT_WITHIN_S:
+            raise DeliveryFailed(f"skipped: reactions in this chat wait {blocked:.0f} s more for the platform")
+        try:
+            await asyncio.wait_for(self.limiter.acquire(target.chat, REACTION), REACT_WITHIN_S)
+        except TimeoutError:
+            raise DeliveryFailed(f"skipped: it could not go within {REACT_WITHIN_S:g} s") from None
+        try:
+            await react(target, message_id, emoji)
+        except DeliveryError as exc:
+            if exc.retry_after is not None and not exc.permanent:
+                wait = asked_to_wait(exc, REACTION)
+                self.limiter.retry_after(target.chat, wait.seconds, REACTION, wait.scope)
+                raise DeliveryFailed(f"skipped: {exc.reason} (asked to wait {wait.seconds:g} s)") from exc
+            raise DeliveryFailed(exc.reason) from exc
+        except Exception as exc:  # noqa: BLE001 - a plugin may fail any way: a cosmetic call, not retried
+            raise DeliveryFailed(plugin_failure(exc).reason) from exc
 
-    async def _call(self, chat: str, op: Callable[[], Awaitable[T]]) -> T:
+    async def _call(self, chat: str, op: Callable[[], Awaitable[T]], kind: str = MESSAGE) -> T:
+        """Run `op`, a call of `kind` to `chat`, through the limiter: a platform's "wait" answer
+        holds back that kind of call there (or more, as the answer says), and is honoured and
+        retried; a transient failure is retried with backoff for about a minute."""
         tries = 0
 
         async def attempt() -> T:
@@ -458,9 +515,9 @@ class Outbox:
             except DeliveryError as exc:
                 self.last_error = exc.reason
                 if exc.retry_after is not None and not exc.permanent:
-                    wait = exc.retry_after if math.isfinite(exc.retry_after) else MAX_RETRY_AFTER_S
-                    self.last_error = f"{exc.reason} (asked to wait {wait:g} s)"
-                    raise RetryAfter(min(max(wait, 0.0), MAX_RETRY_AFTER_S)) from exc
+                    wait = asked_to_wait(exc)
+                    self.last_error = f"{exc.reason} (asked to wait {wait.seconds:g} s)"
+                    raise wait from exc
                 raise
             except (RetryAfter, DeliveryFailed) as exc:
                 self.last_error = str(exc)
@@ -479,7 +536,7 @@ class Outbox:
         limited = 0  # "wait" answers (RetryAfter)
         while True:
             try:
-                return await self.limiter.call(chat, attempt, attempts=1)
+                return await self.limiter.call(chat, attempt, attempts=1, kind=kind)
             except RetryAfter as exc:
                 # The platform asked to wait: honoured, but never for less than the transient backoff
                 # (a receiver's `Retry-After: 0` burnt every attempt in a blink), and given up only
@@ -492,12 +549,15 @@ class Outbox:
                         + _over(tries, self._clock() - began, exc.__cause__)
                     ) from exc
                 wait = max(exc.seconds, BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
-                if wait > exc.seconds:
-                    self.limiter.retry_after(chat, wait)  # the chat waits the longer of the two
+                limited_kind = exc.kind or kind
+                if wait > exc.seconds:  # that kind of call waits the longer of the two
+                    self.limiter.retry_after(chat, wait, limited_kind, exc.scope)
                 failures += 1
                 waited += wait
                 asked += wait
-                log.warning("send to %s was asked to wait; retrying in %g s", chat, wait)
+                log.warning("%s call to %s was asked to wait; retrying in %g s", limited_kind, chat, wait)
+                if limited_kind != kind:  # a lookup inside a send: the send waits for it, out of the queue
+                    await self.limiter.wait_out(chat, limited_kind)
             except DeliveryError as exc:
                 failures += 1
                 elapsed = self._clock() - began
@@ -517,6 +577,15 @@ class Outbox:
         if self.in_flight:
             reason += "; the last attempt was cut off and may have reached the chat"
         return reason
+
+
+def asked_to_wait(error: DeliveryError, kind: str | None = None) -> RetryAfter:
+    """A platform's "wait" answer (`error.retry_after`, read as at most `MAX_RETRY_AFTER_S`) as the
+    limiter's `RetryAfter` for calls of `kind` (None: the call being made), as far as it reaches."""
+    seconds = error.retry_after if error.retry_after is not None and math.isfinite(error.retry_after) else None
+    wait = MAX_RETRY_AFTER_S if seconds is None else min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
+    scope = error.retry_scope if error.retry_scope in ("chat", "account") else "call"
+    return RetryAfter(wait, kind, scope)
 
 
 def _over(tries: int, elapsed: float, cause: BaseException | None = None) -> str:
@@ -559,6 +628,9 @@ class ReplySink:
     # Parts first attempted by this process whose every attempt the platform refused without
     # performing it (`SendRefused`): not in the chat, so never looked up or blanked (`_blank_left`).
     _refused: set[str] = field(default_factory=set)
+    # Why a final edit may not have landed, where the platform could not tell: the reply fails at
+    # the end of `finish` (after its other parts went out), so the ledger never says `delivered`.
+    _unsure: list[str] = field(default_factory=list)
 
     @classmethod
     def resumed(cls, outbox: Outbox, target: Target, remote_ids: tuple[str, ...], **kw: Any) -> ReplySink:
@@ -584,10 +656,15 @@ class ReplySink:
         return self.ids
 
     async def finish(self, text: str) -> list[str]:
+        """The final text; raises `EditUncertain` when a final edit may not have landed and nothing
+        could tell (every part went out the best it could)."""
         if not text.strip():
             text = NO_REPLY if self.parts else ""
+        self._unsure.clear()
         if text:
             await self._apply(text, final=True)
+        if self._unsure:
+            raise EditUncertain("; ".join(self._unsure))
         return self.ids
 
     async def _apply(self, text: str, *, final: bool = False) -> None:
@@ -677,22 +754,41 @@ class ReplySink:
                 raise
             # Retried by the outbox with backoff, and an attempt may have been performed: an edit is
             # idempotent and most likely landed (a slow platform applies it, then answers late), so
-            # the message stays as it is; posting the text anew would show the reply twice.
-            log.warning("%s: the final edit of %s may not have landed (%s)", self.target.chat, part.message_id, exc)
-            part.text = None
-            return
+            # the text is posted anew only where the platform shows the message still reads what it
+            # did before (posting it otherwise could show the reply twice). Where the platform cannot
+            # be asked (Telegram, Discord) the message stays as it is; where it was asked and could
+            # not tell (Slack's lookup refused), the reply is counted failed, not `delivered`.
+            if not self.outbox.shows_messages:
+                log.warning("%s: the final edit of %s may not have landed (%s)", self.target.chat, part.message_id, exc)
+                part.text = None
+                return
+            landed = await self.outbox.edit_landed(self.target, part.message_id, chunk, part.text)
+            if landed is None:
+                log.error("%s: the final edit of %s may not have landed (%s)", self.target.chat, part.message_id, exc)
+                self._unsure.append(f"the final edit of {part.message_id} may not have landed: {exc}")
+                part.text = None
+                return
+            if not landed:
+                log.warning("%s: the final edit of %s did not land (%s); posting it anew", self.target.chat,
+                            part.message_id, exc)  # fmt: skip
+                await self._post_anew(i, chunk)
         except DeliveryFailed:
             if not final:
                 raise
             # The platform will not edit this message (EditRefused: too old, deleted), or refused
             # every attempt without performing one: the final text goes out as a new message rather
             # than leave the chat with a partial reply.
-            sent = await self._post(f"{i}:new", chunk)
-            part.message_id = sent.ids[0] if sent.ids else part.message_id
-            self._sent()
-            if sent.found:
-                await self.outbox.edit(self.target, part.message_id, chunk)
+            await self._post_anew(i, chunk)
         part.text = chunk
+
+    async def _post_anew(self, i: int, chunk: str) -> None:
+        """Part `i`'s final text as a new message, which the part is from then on."""
+        part = self.parts[i]
+        sent = await self._post(f"{i}:new", chunk)
+        part.message_id = sent.ids[0] if sent.ids else part.message_id
+        self._sent()
+        if sent.found:
+            await self.outbox.edit(self.target, part.message_id, chunk)
 
     async def _post(self, suffix: str, chunk: str) -> Sent:
         """Send one part as `key:suffix`: noted as attempted before it goes (`on_attempt`), looked up

@@ -43,6 +43,7 @@ __all__ = [
     "MoveChat",
     "OnMessage",
     "ReportState",
+    "RetryScope",
     "Target",
     "TokenRefusal",
     "check_keys",
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 ChatType = Literal["dm", "group"]
+# How far a platform's "wait" answer reaches (`DeliveryError.retry_scope`): the kind of call that got
+# it, in that chat ("call"); every call to that chat ("chat"); every call of the account ("account").
+RetryScope = Literal["call", "chat", "account"]
 AccountState = Literal["starting", "running", "backoff", "conflict", "stopped", "error"]
 
 # The keys of an account's table that the gateway reads for every channel (docs/channels.md): access,
@@ -331,20 +335,30 @@ class DeliveryError(Exception):
     """A send, edit or reaction the platform refused.
 
     `retry_after` (seconds) means the platform asked to wait (HTTP 429 and the like): the gateway
-    waits at least that long before the next call to that chat and retries. `permanent` means a retry
+    waits at least that long before the next call of that kind to that chat (sends and edits,
+    reactions, lookups: platforms limit per method or route) and retries; `retry_scope` says when
+    the answer holds more: "chat" (every call to that chat), "account" (every call of the account:
+    Discord's global limit). `permanent` means a retry
     cannot help (chat not found, no permission): the delivery is recorded as failed with `reason`.
     `uncertain` means the platform may have performed the call although no answer came (a timeout,
     a connection lost after the request went out): a send is then repeated only where that cannot
     post twice (see `Adapter`)."""
 
     def __init__(
-        self, reason: str, *, retry_after: float | None = None, permanent: bool = False, uncertain: bool = False
+        self,
+        reason: str,
+        *,
+        retry_after: float | None = None,
+        permanent: bool = False,
+        uncertain: bool = False,
+        retry_scope: RetryScope = "call",
     ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
         self.permanent = permanent
         self.uncertain = uncertain
+        self.retry_scope = retry_scope
 
 
 class IntakePaused(Exception):
@@ -480,8 +494,12 @@ class Adapter(Protocol):
     Markdown, formatted by the adapter; tagged with `target.key` like a send) and
     `edit_prompt(target, message_id, text, short_id | None) -> None` (edit such a prompt, keeping its
     buttons for a pending `short_id` and removing them for None, also for a prompt posted by an
-    earlier process). The gateway makes every one of these calls through its outbox: rate limited
-    and retried like a send.
+    earlier process), `shown(target, message_id) -> str | None` (the text the bot's message shows
+    now, as formatted; None when it is not there; raises `DeliveryError` when it cannot tell: asked
+    after a final edit whose outcome stayed unknown, so the text is posted anew only when the edit
+    did not land). The gateway makes every one of these calls through its outbox: rate limited
+    and retried like a send; a "wait" answer holds back only that kind of call in the chat
+    (`DeliveryError.retry_scope`).
 
     A send whose outcome is unknown (`DeliveryError(uncertain=True)`, or a restart after a crash
     while it was in flight) is repeated only where that cannot post twice, which an adapter

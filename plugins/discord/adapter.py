@@ -32,7 +32,11 @@ a role or a person), a reply reference in guild channels, and `nonce` + `enforce
 `Target.key`, so a resend of the same reply part after a crash returns the message Discord already
 has instead of posting a second one. Rate limits are discord.py's (it sleeps out a 429 and retries,
 the global flag included); only when it gives up (`max_ratelimit_timeout` exceeded) does a 429 become
-`DeliveryError(retry_after=…)`. 403/404 are permanent failures with Discord's reason.
+`DeliveryError(retry_after=…)`, which holds back only that kind of call in that channel (Discord limits
+per route), unless Discord said the limit is global (`X-RateLimit-Global` / `X-RateLimit-Scope:
+global`, seen by an aiohttp trace on discord.py's session, as its `RateLimited` does not say):
+`retry_scope="account"`, every call of the account waits. 403/404 are permanent failures with
+Discord's reason.
 
 Approvals are a message with two buttons (`approve:<id>` / `deny:<id>`); a press is handed over as
 `/approve <id>` or `/deny <id>` from the presser and acknowledged (interaction callback type 6,
@@ -265,6 +269,7 @@ class DiscordAdapter:
         self._fatal: str | None = None
         # the token refused on a REST call (state `error` until a call succeeds again)
         self._refusal = TokenRefusal(self._report, self._log, self._where, "Discord")
+        self._global_until = 0.0  # loop time until which Discord's global rate limit holds (a 429 said so)
         self._prompts: dict[tuple[str, str], str] = {}  # (channel, message id) of a prompt -> short id
         self._state_path = Path(context.data_dir) / STATE_FILE
         self._state_writable = True  # False while the saved file exists but cannot be read: never clobber it
@@ -328,6 +333,7 @@ class DiscordAdapter:
             chunk_guilds_at_startup=False,
             guild_ready_timeout=env_seconds(GUILD_READY_TIMEOUT_ENV, GUILD_READY_TIMEOUT_S),
             allowed_mentions=discord.AllowedMentions.none(),
+            http_trace=self._limit_trace(),
         )
         self._client = client
         try:
@@ -415,16 +421,34 @@ class DiscordAdapter:
         if self._client is not None and not self._client.is_closed() and self._state == "running":
             self._report("backoff", "gateway connection lost; reconnecting")
 
+    def _limit_trace(self) -> aiohttp.TraceConfig:
+        """Watches discord.py's answers for a 429 Discord says is global: its `RateLimited` (a wait
+        longer than it sleeps out) does not say, and a global one holds every call of the bot."""
+        trace = aiohttp.TraceConfig()
+        trace.on_request_end.append(self._on_response)
+        return trace
+
+    async def _on_response(self, session: Any, ctx: Any, params: aiohttp.TraceRequestEndParams) -> None:
+        headers = params.response.headers
+        scope = headers.get("X-RateLimit-Scope", "").lower()
+        is_global = headers.get("X-RateLimit-Global", "").lower() == "true" or scope == "global"
+        if params.response.status == 429 and is_global:
+            self._global_until = asyncio.get_running_loop().time() + _bounded(headers.get("Retry-After"))
+
     async def _rest(self, op: str, awaitable: Any) -> Any:
         """`_call`, watching the token: a 401 (the token was reset) puts the account in `error`
         naming the token at once, as a refused login does at start; a call that succeeds again
-        ends that."""
+        ends that. A rate limit while Discord's global one holds is the account's (`retry_scope`)."""
         try:
             result = await _call(op, awaitable)
         except _TokenRefused as exc:
             source = self.account.secret_sources.get("token") or "token_env / token_file"
             self._refusal.refused(f"{self._where}: Discord refused the token ({source}): {exc.reason}")
             raise
+        except DeliveryError as exc:
+            if exc.retry_after is None or asyncio.get_running_loop().time() >= self._global_until:
+                raise
+            raise DeliveryError(f"{exc.reason} (global)", retry_after=exc.retry_after, retry_scope="account") from None
         if self._refusal.accepted() and self._ready.is_set():
             self._report("running", None)
         return result

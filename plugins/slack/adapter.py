@@ -32,7 +32,10 @@ a 5xx, an HTML page; or a restart after a crash while it was in flight), the gat
 messages since that post began (`conversations.history`, or `conversations.replies` in a thread,
 with `include_all_metadata`) and returns the one carrying the key, so the reply continues in it
 instead of posting it twice. slack_sdk's own retry after a dropped connection is kept for every
-method but `chat.postMessage`, for the same reason.
+method but `chat.postMessage`, for the same reason. A reply's final `chat.update` whose outcome stays
+unknown is looked up the same way (`shown`: the message's text now), so the gateway posts the final
+text anew when the edit did not land. `ratelimited` holds back only that kind of call in the channel
+(Slack limits per API method): a rate limit on `reactions.add` never holds a reply's posts and edits.
 """
 
 from __future__ import annotations
@@ -712,6 +715,26 @@ class SlackAdapter:
             " it arrived",
             permanent=True,
         )
+
+    async def shown(self, target: Target, message_id: str) -> str | None:
+        """The text the message `message_id` (a ts) shows now, from `conversations.history` (or
+        `.replies` in `target.thread`): whether an edit answered `internal_error` landed. None when
+        it is not there; a `DeliveryError` when Slack cannot be asked."""
+        web = self._web
+        if web is None:
+            raise DeliveryError("slack: not started")
+        ts = message_id.rsplit(":", 1)[-1]
+        kwargs: dict[str, Any] = {"channel": target.chat, "oldest": ts, "latest": ts, "inclusive": True, "limit": 2}
+        call: Callable[..., Awaitable[Any]] = web.conversations_history
+        method = "conversations.history"
+        if target.thread:
+            method, call = "conversations.replies", web.conversations_replies
+            kwargs["ts"] = target.thread
+        response = await self._call(method, call, **kwargs)
+        for message in response.get("messages") or []:
+            if isinstance(message, dict) and message.get("ts") == ts:
+                return str(message.get("text") or "")
+        return None
 
     def _tagged(self, message: Mapping[str, Any], key: str) -> bool:
         """The bot's own message carrying `key` in its reply metadata."""

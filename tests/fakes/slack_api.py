@@ -456,6 +456,16 @@ class FakeSlack(LoopbackServer):
                 _Failure(error, retry_after if error == "ratelimited" else None, count)
             )
 
+    def clear_failures(self, method: str | None = None) -> None:
+        """Forget what `fail_next` / `perform_then_fail` queued for `method` (every method when None)
+        and is not used up yet."""
+        with self._lock:
+            for queued in (self._failures, self._garbles):
+                if method is None:
+                    queued.clear()
+                else:
+                    queued.pop(method, None)
+
     def perform_then_fail(
         self, method: str, error: str = "internal_error", *, status: int = 200, html: bool = False, count: int = 1
     ) -> None:

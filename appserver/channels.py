@@ -8,9 +8,10 @@ name is reserved and the token marked as the gateway's, so no user token can sha
 when that child ends; in mode `none` the loopback needs none. `/readyz` gets a `channels`
 check: ready only when the child runs and every enabled account runs, with per-account detail.
 
-In a cluster, the server vouches for its gateway's intake a moment at a time (`_vouch_forever`):
-a gateway whose server is stalled, cut off from the database or fenced acknowledges no platform
-message (the platform offers it again, to the next holder of the account's lease).
+In a cluster, the server vouches for its gateway's intake a moment at a time (`_vouch_forever`),
+and says at once when its session is lost: a gateway whose server is stopped, stalled, cut off
+from the database or fenced acknowledges no platform message (the platform offers it again, to
+the next holder of the account's lease).
 """
 
 from __future__ import annotations
@@ -67,11 +68,17 @@ START_POLL_S = 0.05
 # A server of a cluster tells its gateway every VOUCH_EVERY_S (every heartbeat, when shorter) that
 # it may take platform messages for VOUCH_FOR_S more, never past the moment this server would be
 # fenced (`Cluster.fenced_in`), from which another server may take the account's lease, and not
-# while its database session is away: stalled (SIGSTOP, a long GC pause, swapping), its gateway
-# stops acknowledging within VOUCH_FOR_S; cut off from the database, at the next word (within
-# VOUCH_EVERY_S of its noticing); always before the lease can move.
-VOUCH_EVERY_S = 0.5
-VOUCH_FOR_S = 2.0
+# while its database session is away. Stopped (SIGSTOP), its gateway takes nothing from that
+# instant (it watches its parent's state: gateway/intake.py `ServerProcess`); cut off from the
+# database or judged gone, from the moment the cluster notices (`Cluster.on_cut_off` wakes the
+# word); its event loop stalled (a long GC pause, swapping, a blocking call), within VOUCH_FOR_S:
+# always before the lease can move. A message taken in a stall that lasts until the lease moves
+# is not submitted and stays in this home's ledger, so the word is short: 1 s, renewed 4 times
+# in it, so a loop late by up to 0.75 s (already 7 times asyncio's slow-callback mark) pauses
+# nothing, where one that loses the lease (late by the timeout less a heartbeat, 28 s at the
+# defaults) pauses intake within 1 s of its start.
+VOUCH_EVERY_S = 0.25
+VOUCH_FOR_S = 1.0
 
 
 def gateway_token_name(config: Config) -> str:
@@ -223,11 +230,14 @@ class ChannelService:
     async def _follow_leases(self, url: str, cluster: Cluster) -> None:
         """Run the accounts whose lease this server holds, and take over those of a server that
         is gone: the gateway restarts with the new set whenever it changes. Its intake is vouched
-        for meanwhile (`_vouch_forever`)."""
-        vouching = asyncio.get_running_loop().create_task(self._vouch_forever(cluster), name="channels-vouch")
+        for meanwhile (`_vouch_forever`), and paused the moment the cluster is cut off."""
+        cut_off = asyncio.Event()
+        cluster.on_cut_off = cut_off.set
+        vouching = asyncio.get_running_loop().create_task(self._vouch_forever(cluster, cut_off), name="channels-vouch")
         try:
             await self._check_leases(url, cluster)
         finally:
+            cluster.on_cut_off = None
             vouching.cancel()
             await asyncio.gather(vouching, return_exceptions=True)
 
@@ -277,11 +287,13 @@ class ChannelService:
         if not cluster.lost:
             self._held_since = began
 
-    async def _vouch_forever(self, cluster: Cluster) -> None:
-        """Tell the running gateway, every VOUCH_EVERY_S, until when it may take messages
-        (`_intake_until`). A stalled server says nothing, and its gateway's intake lapses."""
+    async def _vouch_forever(self, cluster: Cluster, cut_off: asyncio.Event) -> None:
+        """Tell the running gateway, every VOUCH_EVERY_S and at once when the cluster is cut off
+        (`cut_off` set), until when it may take messages (`_intake_until`). A stalled server says
+        nothing, and its gateway's intake lapses."""
         every = min(VOUCH_EVERY_S, cluster.heartbeat_s)
         while True:
+            cut_off.clear()
             until = self._intake_until(cluster)
             supervisor = self.supervisor
             if supervisor is not None and supervisor.view.state in ("running", "unresponsive"):
@@ -289,7 +301,8 @@ class ChannelService:
                     await supervisor.vouch(until, timeout=every)
                 except Exception:  # noqa: BLE001 - ended, this loop would pause the gateway for good
                     log.exception("channels: could not tell the gateway about its intake")
-            await asyncio.sleep(every)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cut_off.wait(), every)
 
     def _intake_until(self, cluster: Cluster) -> float:
         """Until when (monotonic) this server vouches for its gateway's intake; 0: not now. Only

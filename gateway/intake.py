@@ -7,13 +7,16 @@ arrived), so it is fsynced; an adapter that hands over a batch of updates at onc
 `IntakeGate`: whether the gateway takes messages at all. A server of a cluster vouches for its
 gateway's intake for a short while at a time (`until`); past it, or told to pause, the gateway
 acknowledges nothing, so a stalled or cut-off server's gateway never accepts a message that the
-server holding the account's lease next should answer instead.
+server holding the account's lease next should answer instead. Within its word too the gateway
+takes nothing while its server's process is stopped (`ServerProcess`, read from /proc on Linux):
+a SIGSTOP lets no message in at all, where the word alone let them in until it ran out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 from gateway.ledger import Entry, Ledger, Receipt
@@ -60,21 +63,76 @@ class Intake:
                 future.set_result(result)
 
 
+class ServerProcess:
+    """The server process that vouches for the intake (the child's parent), as /proc shows it. Its
+    word lasts a moment (`IntakeGate`); a server stopped meanwhile (SIGSTOP, a debugger) or gone
+    (the child re-parented) vouches for nothing from that instant. One read of /proc/<pid>/stat per
+    look (a few microseconds); None from `parent` where /proc does not show this process's parent
+    (not Linux, another pid namespace): the word alone counts then."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._stat = f"/proc/{pid}/stat"
+
+    @classmethod
+    def parent(cls) -> ServerProcess | None:
+        pid = os.getppid()
+        me = _stat_fields("/proc/self/stat")
+        if me is None or len(me) < 2 or me[1] != str(pid).encode() or _stat_fields(f"/proc/{pid}/stat") is None:
+            return None
+        return cls(pid)
+
+    def stopped(self) -> bool:
+        """Stopped (state T, or t: traced), or no longer this process's parent (it ended)."""
+        if os.getppid() != self.pid:
+            return True
+        fields = _stat_fields(self._stat)
+        return fields is not None and fields[0] in (b"T", b"t")
+
+
+def _stat_fields(path: str) -> list[bytes] | None:
+    """The fields of a /proc/<pid>/stat after the command name (state first, then the parent's
+    pid), or None when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 1024)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data.rpartition(b")")[2].split() or None
+
+
 class IntakeGate:
     """Open for good (`until` None: a server alone on its store), or until the monotonic time the
-    server's last word said (`vouch`; the start envelope's first). The child and its server run on
-    one host and read the same monotonic clock, so a word that lay in the pipe counts from when the
-    server wrote it. A start longer than the first word lasts is no pause worth a log line: the
-    server's words follow once the child is ready."""
+    server's last word said (`vouch`; the start envelope's first) while the server's process is not
+    stopped (`server`). The child and its server run on one host and read the same monotonic clock,
+    so a word that lay in the pipe counts from when the server wrote it. A start longer than the
+    first word lasts is no pause worth a log line: the server's words follow once the child is ready."""
 
-    def __init__(self, until: float | None = None) -> None:
+    def __init__(self, until: float | None = None, server: ServerProcess | None = None) -> None:
         self._until = until
+        self._server = server
         self._changed = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._heard = False  # a word came from the running server (not only the start envelope's)
         self._paused_said = False
 
     def is_open(self) -> bool:
+        if self._until is None:
+            return True
+        if not self._word_holds():
+            return False
+        if self._server is not None and self._server.stopped():
+            # a stopped server's word still holds, but nothing it vouched for is submitted now
+            self._closed(f"the server's process (pid {self._server.pid}) is stopped or gone")
+            return False
+        return True
+
+    def _word_holds(self) -> bool:
         return self._until is None or time.monotonic() < self._until
 
     def vouch(self, until: float) -> None:
@@ -85,8 +143,8 @@ class IntakeGate:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self.is_open():
-            self._closed("the server paused it (it is fenced, or no longer sure it holds the accounts' lease)")
+        if not self._word_holds():
+            self._closed("the server paused it (cut off from the database, fenced, or unsure it holds the lease)")
             return
         if self._paused_said:
             self._paused_said = False
@@ -103,7 +161,7 @@ class IntakeGate:
 
     def _expired(self) -> None:
         self._timer = None
-        if not self.is_open() and self._heard:
+        if not self._word_holds() and self._heard:
             self._closed("the server's last word ran out (it is stalled, cut off from the database, or fenced)")
 
     def _closed(self, why: str) -> None:

@@ -25,7 +25,7 @@ from gateway.accounts import AccountSpec
 from gateway.app import Gateway
 from gateway.db import CorruptGatewayDB, LedgerFileRefused, SchemaTooNew, default_path, record_opened_ledger
 from gateway.delivery import DeliveryFailed
-from gateway.intake import IntakeGate
+from gateway.intake import IntakeGate, ServerProcess
 from gateway.ledger import Ledger
 from gateway.link import ServerLink
 from gateway.redact import SecretMask, known_secrets, mask_stored
@@ -116,12 +116,13 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
 
 def _intake_gate(until: Any) -> IntakeGate:
     """The intake gate the start envelope asks for: open for good without `intake_until` (a server
-    alone on its store), else open until then (a server of a cluster vouches for it from then on)."""
+    alone on its store), else open until then (a server of a cluster vouches for it from then on)
+    and while the server, this process's parent, is not stopped."""
     if until is None:
         return IntakeGate()
     if isinstance(until, bool) or not isinstance(until, int | float):
         raise ValueError("intake_until must be a number")
-    return IntakeGate(float(until))
+    return IntakeGate(float(until), ServerProcess.parent())
 
 
 async def lock_ledger(home: Path, control: ControlWriter, wait_s: float = LOCK_WAIT_S) -> int | None:

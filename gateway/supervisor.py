@@ -157,6 +157,7 @@ class GatewaySupervisor:
         # A server of a cluster: until when (monotonic) a child starting now may take messages;
         # `vouch` moves it on. None: the child takes messages for as long as it runs.
         self._intake = intake
+        self._words: set[asyncio.Future[bool]] = set()  # the words said at a child's READY, in flight
         self._proc: asyncio.subprocess.Process | None = None
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
@@ -377,6 +378,7 @@ class GatewaySupervisor:
             if item.kind == "ready":
                 self.view.state, self.view.reason = "running", None
                 self._ready.set()
+                self._vouch_at_ready()
                 self._first_outcome.set()
                 log.info("gateway: ready (pid %s)", self.view.pid)
             elif item.kind == "response":
@@ -385,6 +387,16 @@ class GatewaySupervisor:
                     future.set_result(item.payload)
             elif item.kind == "event":
                 self._event(item.payload)
+
+    def _vouch_at_ready(self) -> None:
+        """A server of a cluster renews its word the moment the child is ready: the start envelope's
+        may have run out while the child started (the word lasts a second), and a child ready but
+        paused until the next periodic word would refuse its first messages."""
+        if self._intake is None:
+            return
+        word = asyncio.ensure_future(self.vouch(self._intake(), timeout=self._ping_timeout))
+        self._words.add(word)
+        word.add_done_callback(self._words.discard)
 
     def _event(self, payload: dict[str, Any]) -> None:
         if payload.get("type") == "account_state":

@@ -43,8 +43,8 @@ FAST = {"APPSERVER_STORE__HEARTBEAT_S": "0.2", "APPSERVER_STORE__INSTANCE_TIMEOU
 # Fenced 4.5 s after its last heartbeat, taken over 5 s after it at the soonest: a message sent 3 s
 # into a stop reaches the stopped holder's gateway alone (which took it before the fix).
 STOP = {"APPSERVER_STORE__HEARTBEAT_S": "0.5", "APPSERVER_STORE__INSTANCE_TIMEOUT_S": "5"}
-# appserver/channels.py VOUCH_FOR_S is 2 s: a gateway whose server went silent takes nothing after
-# that. Messages are sent later than this after the stall began.
+# appserver/channels.py VOUCH_FOR_S (1 s; a stopped server is seen at once by the gateway): a gateway whose server
+# went silent takes nothing after that. Messages are sent later than this after the stall began.
 PAUSED_AFTER_S = 3.0
 SECRET = "s36d-webhook-secret-0123456789abcdef"
 LISTEN_PORTS = (22310, 22311)  # the webhook listeners of the two servers (this file's port range)

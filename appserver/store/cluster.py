@@ -168,6 +168,9 @@ class Cluster:
         # hung; 0: never), from which the others' heartbeats count.
         self._back_at = 0.0
         self.on_lost: Callable[[], None] | None = None  # the kernel: stop what runs here
+        # channels: told the moment `cut_off` turns true (its session lost, or judged gone), to
+        # pause its gateway's intake at once rather than at its next word (appserver/channels.py)
+        self.on_cut_off: Callable[[], None] | None = None
         # The store's repairs (writes an outage made fail), run after a heartbeat renewed.
         self.after_beat: Callable[[], Awaitable[None]] | None = None
         self._repairing: asyncio.Task[None] | None = None
@@ -404,8 +407,7 @@ class Cluster:
             conn = self._session
             try:
                 if conn is None or conn.closed:
-                    if self._down_since is None:
-                        self._down_since = time.monotonic()
+                    self._session_lost()
                     await self._connect(again=True)
                     if not self.lost:
                         log.warning("cluster: the database ended this instance's session; taken again")
@@ -441,17 +443,23 @@ class Cluster:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self._session_lost()  # before the close, which awaits
                 if self._session is not None:
                     await self._session.close()
                 self._session = None
                 self._up_since = None
-                if self._down_since is None:
-                    self._down_since = time.monotonic()
                 now = time.monotonic()
                 if now - said_at >= 30.0:
                     said_at = now
                     log.error("cluster: lost the database session of instance %s: %s", self.instance_id, exc)
                 await asyncio.sleep(min(0.5, self.heartbeat_s))
+
+    def _session_lost(self) -> None:
+        """Its session is away (`cut_off` from now on): noted once, and said at once (`on_cut_off`)."""
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            if self.on_cut_off is not None:
+                self.on_cut_off()
 
     def _repair(self) -> None:
         """Run the store's repairs (`after_beat`) in the background, one run at a time: the
@@ -498,6 +506,8 @@ class Cluster:
         self.lost = True
         if self.on_lost is not None:
             self.on_lost()
+        if self.on_cut_off is not None:
+            self.on_cut_off()
         # The timings its row recorded, which the others judge it by (`LIVE_SINCE`).
         log.error(
             "cluster: instance %s was judged gone by another server (its heartbeat stopped for longer than "

@@ -47,12 +47,14 @@ def _sdk(sp: ServeProcess) -> openai.AsyncOpenAI:
 
 
 def _statuses(home: Path, text: str) -> list[str]:
-    """The statuses of the turns whose input was `text`, oldest first."""
+    """The statuses of the turns whose input was `text`, oldest first: the turn that wrote it and
+    those that re-ran it (a keyed retry's, which writes no user message of its own)."""
     db = sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True)
     try:
         rows = db.execute(
-            "SELECT t.status FROM turns t JOIN messages m ON m.turn_id = t.id"
-            " WHERE m.role = 'user' AND m.content = ? ORDER BY t.seq",
+            "WITH wrote AS (SELECT turn_id FROM messages WHERE role = 'user' AND content = ?)"
+            " SELECT t.status FROM turns t WHERE t.id IN (SELECT turn_id FROM wrote)"
+            " OR json_extract(t.input, '$.rerun_of') IN (SELECT turn_id FROM wrote) ORDER BY t.seq",
             (json.dumps(text),),
         ).fetchall()
     finally:

@@ -417,7 +417,9 @@ def test_a_failed_turn_names_its_conversation_and_frees_its_idempotency_key(
         assert unpinned.status_code == 502 and unpinned.headers["x-conversation-id"].startswith("conv_")
         again = http.post(route, json=body, headers={"Idempotency-Key": f"{route}{key}"})
         assert again.status_code == 502 and "idempotent-replayed" not in again.headers
-        assert again.headers["x-conversation-id"] != unpinned.headers["x-conversation-id"]  # it ran anew
+        # it ran anew, in the conversation the failed turn left its input in: held there once
+        assert again.headers["x-conversation-id"] == unpinned.headers["x-conversation-id"]
+        assert [role for role, _ in _messages(srv, unpinned.headers["x-conversation-id"])].count("user") == 1
         empty = http.post(route, json=body, headers={"Idempotency-Key": ""})
         assert empty.status_code == 400 and empty.json()["error"]["code"] == "invalid_idempotency_key", empty.text
 

@@ -38,6 +38,7 @@ from appserver.http.common import (
     principal_of,
     read_json,
     request_usage,
+    rerun_unnamed,
     resolve_model,
     round_answered,
     settle_or_cancel,
@@ -1217,8 +1218,14 @@ class ChatCompletions:
                 ns = conversation_namespace(principal)
                 header = request.headers.get(HEADER)
                 # Placing the input reads (and may write) the store, which may keep it waiting
-                # (a lock): a credential revoked meanwhile ends the request (401) there.
-                if header:
+                # (a lock): a credential revoked meanwhile ends the request (401) there. A keyed
+                # repeat of a turn that answered nothing re-runs it where it ran (`by_rerun`).
+                rerun = rerun_unnamed(key, header, answers)
+                if rerun is not None:
+                    place = await until_credential_ends(request, self.matcher.by_rerun(agent, ns, rerun))
+                if place is not None:
+                    pass  # its turn's conversation
+                elif header:
                     place = await until_credential_ends(
                         request, self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
                     )

@@ -419,8 +419,9 @@ class Idempotency:
         client went away, the model failed, the server died while it ran) is not the answer: the
         request runs again, and its new turn takes the key (`forget_idempotency`: only this claim's
         holder gets here), so a repeat after a second crash follows the new turn instead of running
-        the request a third time. Landing right after that turn (its conversation pinned), the new
-        turn re-runs that turn's input, kept in the history once (`TurnKey.rerun`). Keys older
+        the request a third time. Landing right after that turn (its conversation pinned, or
+        found again for a request naming none: `ConversationMatcher.by_rerun`), the new turn
+        re-runs that turn's input, kept in the history once (`TurnKey.rerun`). Keys older
         than IDEMPOTENCY_TTL_S name no turn (the store ignores them, purged or not).
 
         `answered`: the ids of the calls the request answers (`approvals`: those of them it
@@ -501,6 +502,18 @@ class TurnKey(tuple[str, str]):
         made = super().__new__(cls, (key, scope))
         made.rerun = rerun
         return made
+
+
+def rerun_unnamed(key: TurnKey | None, named: str | None, answers: object | None = None) -> str | None:
+    """The turn a keyed repeat re-runs (`TurnKey.rerun`) when it names no conversation (`named`:
+    its `X-Conversation-Id` or `conversation`, None or `new`) and brings new input (no `answers`:
+    answered calls resume their turn, `rerun_answers`): it goes to that turn's conversation
+    (`ConversationMatcher.by_rerun`). None for any other request, which is placed as ever."""
+    if key is None or key.rerun is None or answers is not None:
+        return None
+    if named is not None and named.strip() and named.strip().lower() != "new":
+        return None
+    return key.rerun
 
 
 def http_turn(turn: TurnRecord) -> bool:

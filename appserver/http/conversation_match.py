@@ -415,7 +415,7 @@ def _answers_fit(call_ids: list[str], made: list[tuple[str, str]]) -> bool:
 @dataclass(slots=True)
 class Placement:
     conversation_id: str
-    how: str  # header | header_new | prefix | fork | new | previous_response | conversation
+    how: str  # header | header_new | prefix | fork | new | previous_response | conversation | rerun
     claimed: bool = False  # this request holds the conversation's head claim (release it)
     # A request answering calls placed at its conversation's head (how "prefix"): the last message
     # of the point it continues, and the turn that made the calls there. Another request (on
@@ -934,6 +934,26 @@ class ConversationMatcher:
                 param=HEADER,
             )
         return Placement(conv.id, "header")
+
+    async def by_rerun(self, agent: AgentRecord, namespace: str | None, turn_id: str | None) -> Placement | None:
+        """A keyed repeat that names no conversation, whose earlier attempt's turn `turn_id`
+        answered nothing (`TurnKey.rerun`): that turn's conversation, claimed, when the turn can be
+        re-run there (`Kernel.rerun_conversation`) and the caller sees it (`visible`: a token
+        re-created under the name with fewer rights does not). The same body matched that
+        conversation then (the same transcript, previous response or `new`); matched again now,
+        its cut-off reply would fork it and the input be stored twice. None (nothing claimed):
+        placed as ever. Only a keyed repeat after such an end reads anything here."""
+        if turn_id is None:
+            return None
+        conv_id = await self.server.kernel.rerun_conversation(turn_id, agent.id)
+        conv = await self.store.get_conversation(conv_id) if conv_id is not None else None
+        if conv is None or not self.visible(conv, agent, namespace):
+            return None
+        # a last look with no await before the claim: nothing queued or claimed since
+        if not self.free(conv.id):
+            return None
+        self.claim(conv.id)
+        return Placement(conv.id, "rerun", claimed=True)
 
     async def _default(self, agent: AgentRecord, namespace: str | None) -> Placement:
         return Placement((await self.server.kernel.default_conversation(agent, namespace)).id, "header")

@@ -68,6 +68,7 @@ from appserver.http.common import (
     principal_of,
     read_json,
     request_usage,
+    rerun_unnamed,
     resolve_model,
     round_answered,
     settle_or_cancel,
@@ -1973,10 +1974,23 @@ class Responses:
                 run = earlier  # this key's turn, accepted before the server stopped: follow it
             else:
                 seat.take(options, answering=not users)  # past the cap: 429 before anything is written
+                # a keyed repeat of a turn that answered nothing, naming no conversation: re-run where it ran
+                rerun = None if conv_param else rerun_unnamed(key, request.headers.get(HEADER), answers)
                 place = await until_credential_ends(  # a credential revoked while the store keeps it waiting: 401
                     request,
                     self._place(
-                        agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added, whole_prefix
+                        agent,
+                        ns,
+                        request,
+                        prev_id,
+                        conv_param,
+                        prefix,
+                        user,
+                        metadata,
+                        answers,
+                        added,
+                        whole_prefix,
+                        rerun=rerun,
                     ),
                 )
                 head = place
@@ -2260,13 +2274,21 @@ class Responses:
         answers: Answers | None = None,
         added: list[ViewItem] | None = None,
         seed: list[ViewItem] | None = None,
+        *,
+        rerun: str | None = None,
     ) -> Placement:
         """`added`: messages of `input` before its new input, with previous_response_id: they go
         after the previous response's context, in a conversation forked from it. `seed`: the
         history a new conversation for a whole transcript is seeded with (`prefix`, which is
-        matched, may leave its system items out: `match_ignores_system`)."""
+        matched, may leave its system items out: `match_ignores_system`). `rerun`: the turn a keyed
+        repeat naming no conversation re-runs (`rerun_unnamed`): its conversation when it can
+        (`ConversationMatcher.by_rerun`; the same body matched it then), else placed as ever."""
         store = self.server.store
         principal = principal_of(request)
+        if rerun is not None:
+            again = await self.matcher.by_rerun(agent, ns, rerun)
+            if again is not None:
+                return again
         if prev_id:
             # whose it is first (`_readable_response`): another credential's body is never read
             readable = await self._readable_response(prev_id, ns, principal)

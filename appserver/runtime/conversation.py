@@ -119,6 +119,27 @@ class ConversationRuntime:
         history = await self._history.read()
         return last_input(history) == turn_id and not self.holds_turns
 
+    async def until_left(self, turn_id: str, timeout: float) -> bool:
+        """Wait, at most `timeout` seconds, until turn `turn_id` no longer runs, waits or is queued
+        here. Its end is in the store before its runtime is past it (a cancelled turn still writing
+        its cut-off reply): a keyed repeat asks whether to re-run it only once it is out of the
+        way (`Kernel._rerunnable`), not while it finishes. False when it is still here."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while turn_id in self._live_turns():
+            left = end - loop.time()
+            if left <= 0:
+                return False
+            handle = self.handles.get(turn_id)
+            try:
+                if handle is not None:
+                    await handle.wait_settled(left)  # at once unless it runs
+                if turn_id in self._live_turns():  # queued, paused, or settled but not yet let go
+                    await asyncio.sleep(min(left, 0.01))
+            except TimeoutError:
+                return False
+        return True
+
     def adopt_history(self, messages: list[MessageRecord]) -> None:
         """The whole history, from a caller that just wrote it (a new conversation): no store read."""
         self._history.adopt(messages)

@@ -148,6 +148,8 @@ def delivered_results(
 
 # How a turn ended that answered nothing, whose input a keyed retry may re-run (`Kernel._rerun`).
 RERUNNABLE = ("cancelled", "failed", "interrupted")
+# How long a keyed repeat's re-run waits for the earlier turn to leave its runtime (`Kernel._rerunnable`).
+RERUN_SETTLE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -1115,22 +1117,62 @@ class Kernel:
         So a keyed retry leaves the input in its conversation once, answered by the new turn
         (docs/openai.md, Idempotency-Key); the cut-off reply stays in the history, out of the
         model's view (`history.model_view`). None: the input is added as any other."""
-        earlier = await self.store.get_turn(req.rerun_of) if req.rerun_of else None
+        earlier = await self._rerunnable(req.rerun_of, agent.id, rt) if req.rerun_of else None
         if (
             earlier is None
-            or earlier.conversation_id != rt.conversation_id
-            or earlier.agent_id != agent.id
-            or earlier.status not in RERUNNABLE
-            or "input" in earlier.damaged
             or earlier.input.get("content") != content
             or (earlier.input.get("system") or []) != [dict(m) for m in req.system]
         ):
             return None
+        return await self._rerun_point(earlier, rt)
+
+    async def _rerunnable(self, turn_id: str, agent_id: str, rt: ConversationRuntime) -> TurnRecord | None:
+        """Turn `turn_id` as stored, when a keyed repeat may re-run its input in `rt`'s
+        conversation: that agent's turn there, ended without an answer, its input whole. Its end
+        is written before its runtime is past it (a cancelled turn writing its cut-off reply, as a
+        repeat waiting on the key claims it): it is waited for (`RERUN_SETTLE_S`) to leave the
+        runtime, so the decision follows that turn's finish instead of seeing it still held."""
+        await rt.until_left(turn_id, RERUN_SETTLE_S)
+        earlier = await self.store.get_turn(turn_id)
+        if (
+            earlier is None
+            or earlier.conversation_id != rt.conversation_id
+            or earlier.agent_id != agent_id
+            or earlier.status not in RERUNNABLE
+            or "input" in earlier.damaged
+        ):
+            return None
+        return earlier
+
+    async def _rerun_point(self, earlier: TurnRecord, rt: ConversationRuntime) -> str | None:
+        """The turn that wrote `earlier`'s input (itself, or the one it re-ran in turn), when that
+        input is still the history's last with nothing held in `rt`, the loaded runtime."""
         wrote = earlier.input.get("rerun_of")
         wrote = wrote if isinstance(wrote, str) else earlier.id
         if not await rt.ends_with(wrote) or self.runtimes.get(rt.conversation_id) is not rt:
             return None
         return wrote
+
+    async def rerun_conversation(self, turn_id: str, agent_id: str) -> str | None:
+        """The conversation a keyed repeat that names none (an OpenAI request matched by its history
+        or previous response, or `new`) re-runs turn `turn_id` in: its own, when that turn of
+        `agent_id` ended without an answer and its input is still the history's last there, with
+        nothing held (`_rerunnable`). The same request matched that conversation then; its cut-off
+        reply now stands in the way of the match, which would fork and add the input again. None
+        when it cannot be re-run there (the conversation moved on, or another server of a cluster
+        holds it: that server would add the input as any other): the request is placed as ever.
+        A keyed repeat's cost only: no unkeyed request asks."""
+        turn = await self.store.get_turn(turn_id)
+        if turn is None or turn.agent_id != agent_id:
+            return None
+        try:
+            rt = await self.runtime(turn.conversation_id)
+        except OwnedElsewhere:
+            return None
+        earlier = await self._rerunnable(turn_id, agent_id, rt)
+        if earlier is None or await self._rerun_point(earlier, rt) is None:
+            return None
+        return earlier.conversation_id
 
     async def _discard_unused(self, conversation_id: str) -> None:
         """Remove a conversation `submit` made ("new") into which no turn landed: only while it is

@@ -853,6 +853,17 @@ def _json_int(text: str) -> int | float:
     return -math.inf if text.startswith("-") else math.inf
 
 
+def _owner_of(task: CronTask, per_conversation: bool) -> Callable[[Any, Any], bool]:
+    """Whether a task of (namespace, conversation) has `task`'s owner (`CronStore.add`): its
+    namespace, or with `per_conversation` its namespace in its conversation. An invalid task's raw
+    fields may be anything: only equal values count."""
+
+    def held(namespace: Any, conversation: Any) -> bool:
+        return namespace == task.namespace and (not per_conversation or conversation == task.conversation)
+
+    return held
+
+
 def _check_loadable(task: CronTask, line: str) -> None:
     """Refuse (CronStoreError) to write a task as `line` when crons.json's loader would not load it
     back (it would be kept as invalid: never scheduled, `cron show` and `run` refusing it): whatever
@@ -1242,6 +1253,7 @@ class CronStore:
         max_in_namespace: int | None = None,
         max_namespace_bytes: int | None = None,
         max_tool_bytes: int | None = None,
+        per_conversation: bool = False,
     ) -> CronTask:
         """Insert a task; a duplicate name for the same agent and namespace is refused and nothing
         is written. Names are scoped to (agent, namespace): another agent's or another credential
@@ -1250,12 +1262,15 @@ class CronStore:
         nothing written): `max_in_namespace` tasks in the task's namespace; `max_namespace_bytes` of
         crons.json for them, and `max_tool_bytes` for every namespaced task (all the tool made), each
         task charged its line and the bookkeeping room kept for it (`charged_bytes`), so the tool's
-        tasks together never crowd the operator's `cron add` out of the file."""
+        tasks together never crowd the operator's `cron add` out of the file. With
+        `per_conversation` the owner is the task's namespace in its conversation (names, count and
+        bytes): the channel gateway's one namespace holds the conversations of every chat."""
+        held_by_owner = _owner_of(task, per_conversation)
         with self.lock():
             state = self.load()
             if max_in_namespace is not None:
-                held = sum(1 for t in state.tasks if t.namespace == task.namespace) + sum(
-                    1 for bad in state.invalid if bad.raw.get("namespace") == task.namespace
+                held = sum(1 for t in state.tasks if held_by_owner(t.namespace, t.conversation)) + sum(
+                    1 for bad in state.invalid if held_by_owner(bad.raw.get("namespace"), bad.raw.get("conversation"))
                 )
                 if held >= max_in_namespace:
                     self.keep(state)
@@ -1264,14 +1279,16 @@ class CronStore:
                         f"({max_in_namespace}); cancel some first"
                     )
             if max_namespace_bytes is not None or max_tool_bytes is not None:
-                problem = self._budget_problem(state, task, max_namespace_bytes, max_tool_bytes)
+                problem = self._budget_problem(state, task, held_by_owner, max_namespace_bytes, max_tool_bytes)
                 if problem is not None:
                     self.keep(state)
                     raise CronRefused(problem)
             if any(
-                t.agent == task.agent and t.name == task.name and t.namespace == task.namespace for t in state.tasks
+                t.agent == task.agent and t.name == task.name and held_by_owner(t.namespace, t.conversation)
+                for t in state.tasks
             ) or any(
-                bad.owns_name(task.agent, task.name) and bad.raw.get("namespace") == task.namespace
+                bad.owns_name(task.agent, task.name)
+                and held_by_owner(bad.raw.get("namespace"), bad.raw.get("conversation"))
                 for bad in state.invalid
             ):
                 self.keep(state)
@@ -1285,7 +1302,12 @@ class CronStore:
         return task
 
     def _budget_problem(
-        self, state: CronFile, task: CronTask, namespace_max: int | None, tool_max: int | None
+        self,
+        state: CronFile,
+        task: CronTask,
+        held_by_owner: Callable[[Any, Any], bool],
+        namespace_max: int | None,
+        tool_max: int | None,
     ) -> str | None:
         """Why `task` may not join `state` under the `schedule` tool's byte caps, or None. The text
         says only what the task's own namespace holds and may hold: nothing of other namespaces'
@@ -1293,11 +1315,11 @@ class CronStore:
         cost = charged_bytes(utf8_json(task.to_dict(), separators=_COMPACT["separators"]))
         own = tool = 0
         for t, line in zip(state.tasks, self._encode_tasks(state.tasks), strict=True):
-            own += charged_bytes(line) if t.namespace == task.namespace else 0
+            own += charged_bytes(line) if held_by_owner(t.namespace, t.conversation) else 0
             tool += charged_bytes(line) if t.namespace is not None else 0
         for bad in state.invalid:
             line = utf8_json(bad.raw, allow_nan=True, separators=_COMPACT["separators"])
-            own += charged_bytes(line) if bad.raw.get("namespace") == task.namespace else 0
+            own += charged_bytes(line) if held_by_owner(bad.raw.get("namespace"), bad.raw.get("conversation")) else 0
             tool += charged_bytes(line) if bad.raw.get("namespace") is not None else 0
         if namespace_max is not None and own + cost > namespace_max:
             return (

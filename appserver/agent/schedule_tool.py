@@ -9,6 +9,13 @@ admin, CLI, cron) may target any existing conversation of the agent (or new/defa
 an omitted `conversation` is the one the tool runs in, and a target that does not exist or is
 another agent's is refused when the task is made (as `cron add` does), not left to fail every run.
 
+The channel gateway's credential is one namespace for every chat of every channel and account
+(`gateway`, `gateway@…`: names only the gateway's own token carries), so there the owner is the
+conversation itself, as the per-chat routing keeps chats apart: a turn in a gateway conversation
+schedules only into that conversation, lists and cancels only its tasks, and its names and caps are
+the conversation's (`CronStore.add(per_conversation=True)`), so one chat neither reads, cancels nor
+crowds out another's.
+
 Task names are scoped the same way: a task remembers the namespace it was created in, names are
 unique per agent and namespace (`CronStore.add`), and cancel finds a name only among the caller's
 visible tasks, so a caller can neither see nor collide with another agent's or namespace's names.
@@ -34,7 +41,7 @@ import logging
 from typing import Any
 
 from appserver.agent.tools import Tool, ToolContext, ToolOutput, shown_zone, zone_named
-from appserver.auth import namespace_allows
+from appserver.auth import is_reserved_name, namespace_allows
 from appserver.fsutil import CRONS_MAX_BYTES, CorruptStateFile
 from appserver.shown import shown
 from appserver.store.base import Store
@@ -56,7 +63,7 @@ from cron.stores import cron_store_for
 
 KINDS = ("cron", "every", "at", "in")
 _UNKNOWN = "\x00unknown"  # the caller's namespace when it cannot be read: only this conversation
-MAX_TASKS_PER_NAMESPACE = 100  # tasks one namespace may hold through the tool (the CLI is not capped)
+MAX_TASKS_PER_NAMESPACE = 100  # per namespace (the gateway's: per conversation) through the tool; the CLI: no cap
 MIN_EVERY_S = 60  # the shortest `every` the tool accepts (a cron expression fires once a minute at most)
 # A scheduled prompt is an instruction, not a document (`cron add` takes up to 1 MiB).
 TOOL_PROMPT_MAX_BYTES = 16 * 1024
@@ -64,6 +71,8 @@ TOOL_PROMPT_MAX_BYTES = 16 * 1024
 # together, each task counted with the bookkeeping room kept for it (cron.store.charged_bytes).
 NAMESPACE_MAX_BYTES = 512 * 1024
 TOOL_TASKS_MAX_BYTES = CRONS_MAX_BYTES // 4
+# The namespace of a capability token (`appserver.auth.namespace_of`: kind `token`, subject `token:NAME`).
+_TOKEN_NAMESPACE = "token:token:"
 
 log = logging.getLogger("appserver.cron")
 
@@ -77,6 +86,12 @@ def _stored_namespace(ns: str | None) -> str | None:
     return None if ns == _UNKNOWN else ns
 
 
+def _is_gateway(ns: str | None) -> bool:
+    """The channel gateway's namespace: its token's reserved name (`TokenRecord.subject`), which no
+    other token carries (an older token of such a name gets `gateway~<id>`, not reserved)."""
+    return ns is not None and ns.startswith(_TOKEN_NAMESPACE) and is_reserved_name(ns[len(_TOKEN_NAMESPACE) :])
+
+
 async def _caller_namespace(store: Store, ctx: ToolContext) -> str | None:
     """The namespace of the conversation this tool runs in (None: unowned, sees all)."""
     conv = await store.get_conversation(ctx.conversation_id)
@@ -86,7 +101,7 @@ async def _caller_namespace(store: Store, ctx: ToolContext) -> str | None:
 async def _target_allowed(store: Store, ctx: ToolContext, ns: str | None, target: str) -> bool:
     if ns is None or target == ctx.conversation_id:
         return True
-    if target in ("new", "default"):
+    if target in ("new", "default") or _is_gateway(ns):  # a chat's turn: only its own conversation
         return False  # unowned conversations: outside every credential's namespace
     conv = await store.get_conversation(target)
     return conv is not None and conv.agent_id == ctx.agent.id and namespace_allows(ns, conv.namespace)
@@ -109,14 +124,16 @@ async def _create_target_problem(store: Store, ctx: ToolContext, ns: str | None,
     return None
 
 
-def _visible_tasks(ns: str | None, tasks: list[CronTask]) -> list[CronTask]:
+def _visible_tasks(ns: str | None, tasks: list[CronTask], conversation: str) -> list[CronTask]:
     """The tasks this caller may list and cancel: a credential's own namespace only (whatever
-    conversation they run in); an unowned caller (admin, local), which sees every namespace as it
-    sees every conversation, every task the tool made; nobody the operator's CLI tasks."""
+    conversation they run in), except the gateway's, whose chats each see only the tasks of their
+    own `conversation`; an unowned caller (admin, local), which sees every namespace as it sees
+    every conversation, every task the tool made; nobody the operator's CLI tasks."""
     if ns is None:
         return [t for t in tasks if t.namespace is not None]
     own = _stored_namespace(ns)
-    return [t for t in tasks if own is not None and t.namespace == own]
+    mine = [t for t in tasks if own is not None and t.namespace == own]
+    return [t for t in mine if t.conversation == conversation] if _is_gateway(ns) else mine
 
 
 def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversation: str, ns: str | None) -> str:
@@ -156,6 +173,7 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversati
         max_in_namespace=MAX_TASKS_PER_NAMESPACE,
         max_namespace_bytes=NAMESPACE_MAX_BYTES,
         max_tool_bytes=TOOL_TASKS_MAX_BYTES,
+        per_conversation=_is_gateway(ns),
     )
     when = task.next_fire_at.isoformat(timespec="minutes") if task.next_fire_at else "never"
     return f"created task {task.name} ({task.id}); next run {when}"
@@ -197,10 +215,10 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
                 )
             text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns)
         elif action == "list":
-            text = _list(_visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id)))
+            text = _list(_visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id), ctx.conversation_id))
         elif action == "cancel":
             ref = str(args.get("name") or args.get("id") or "")
-            mine = _visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id))
+            mine = _visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id), ctx.conversation_id)
             found = [t for t in mine if t.id == ref] or [t for t in mine if t.name == ref]
             if not found:
                 raise CronNotFound(f"no cron task {shown(ref)}")  # another's is as if it did not exist

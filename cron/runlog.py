@@ -616,6 +616,20 @@ def unrecorded_turns(runs_dir: Path, before: datetime) -> list[tuple[str, int, s
     return found
 
 
+def open_runs(runs_dir: Path, task_id: str) -> list[tuple[int, str]]:
+    """(run number, turn id) of each run of `task_id` submitted whose outcome is not logged yet,
+    oldest first: the runs `cron remove`/`disable` wait to see dropped (or started) before they
+    say done. Only the tail of the log is read, as `unrecorded_turns` reads it."""
+    records = _tail(run_log_path(runs_dir, task_id))
+    ended = {_number(r) for r in records if r.get("event") == "outcome"}
+    found: list[tuple[int, str]] = []
+    for r in records:
+        n, turn_id = _number(r), r.get("turn_id")
+        if r.get("event") == "submitted" and n is not None and isinstance(turn_id, str) and n not in ended:
+            found.append((n, turn_id))
+    return found
+
+
 def _at(record: dict[str, Any]) -> datetime:
     try:
         return datetime.fromisoformat(str(record.get("at")))

@@ -132,6 +132,11 @@ def parse_duration(text: str, *, allow_zero: bool = False) -> timedelta:
 
 
 VARIANT_TREES = ("right", "posix")  # copies of the zones in /usr/share/zoneinfo, not zones
+# Files of /usr/share/zoneinfo that are no zone of their own: `localtime` is the distro's link to
+# /etc/localtime (whatever zone the machine that fires has then), `posixrules` the zone the C
+# library takes a POSIX TZ rule's DST dates from (a copy of America/New_York), `Factory` the
+# placeholder of a machine whose zone was never set ("-00").
+NOT_ZONES = frozenset({"localtime", "posixrules", "Factory"})
 
 
 def get_zone(name: str) -> ZoneInfo:
@@ -145,6 +150,12 @@ def get_zone(name: str) -> ZoneInfo:
         # zoneinfo reads the leap-second files of `right/` with a wrong offset (summer time all
         # winter): a task would fire an hour off without a word
         raise ScheduleError(f"timezone {shown} names a variant tree of the tz database, not a zone: use {plain!r}")
+    if name in NOT_ZONES:
+        # stored literally, a task's wall time would follow whatever the firing machine's file says
+        raise ScheduleError(
+            f"timezone {shown} is a file of the tz database that stands for another zone, not a zone: "
+            "use an IANA zone name such as Europe/Paris, America/New_York or UTC"
+        )
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
@@ -197,6 +208,11 @@ def _tz_env_zone(value: str) -> str | None:
     if variant in VARIANT_TREES and plain:
         raise ScheduleError(
             f"TZ={shown(value, 64)} names a variant tree of the tz database, not a zone: give --tz {plain}"
+        )
+    if name in NOT_ZONES:
+        raise ScheduleError(
+            f"TZ={shown(value, 64)} names no IANA timezone but a file standing for another zone, so this "
+            "machine's timezone cannot be told: give --tz with an IANA name such as Europe/Paris"
         )
     try:
         get_zone(name)

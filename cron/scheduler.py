@@ -646,18 +646,27 @@ class Scheduler:
         stopped); a run that already started finishes. Its outcome says why it was dropped."""
         found, self._withdrawing = self._withdrawing, []
         for (task_id, number), turn_id, why in found:
-            if self.withdraw is None or turn_id in self._withdrawn:
-                continue
-            self._withdrawn[turn_id] = why
-            try:
-                dropped = await asyncio.wait_for(self.withdraw(turn_id, why), self.fire_timeout_s)
-            except Exception as exc:  # noqa: BLE001 — the run then goes on; said, not raised into the loop
-                log.warning("cron: could not drop queued run #%d of task %s: %s", number, task_id, exc)
-                continue
-            if dropped:
-                log.info("cron: task %s run #%d (turn %s) dropped from its queue: %s", task_id, number, turn_id, why)
-            else:
-                self._withdrawn.pop(turn_id, None)  # it started: its outcome is its own
+            await self.withdraw_run(task_id, number, turn_id, why)
+
+    async def withdraw_run(self, task_id: str, number: int, turn_id: str, why: str) -> bool:
+        """Drop run `number` of `task_id` (its turn `turn_id`, followed here: `watch`) from its
+        queue if it has not started, its outcome saying `why`: whether it was dropped. Also for a
+        restart's recovery, which finds runs of tasks removed or disabled while no server ran
+        (their claims are gone with a removed task: no tick of this process would follow them in
+        time)."""
+        if self.withdraw is None or turn_id in self._withdrawn:
+            return False
+        self._withdrawn[turn_id] = why
+        try:
+            dropped = await asyncio.wait_for(self.withdraw(turn_id, why), self.fire_timeout_s)
+        except Exception as exc:  # noqa: BLE001 — the run then goes on; said, not raised into the loop
+            log.warning("cron: could not drop queued run #%d of task %s: %s", number, task_id, exc)
+            return False
+        if dropped:
+            log.info("cron: task %s run #%d (turn %s) dropped from its queue: %s", task_id, number, turn_id, why)
+        else:
+            self._withdrawn.pop(turn_id, None)  # it started: its outcome is its own
+        return dropped
 
     async def _read_agent_names(self) -> None:
         """The agents' names, for credentials limited by name; on failure the last ones read stay

@@ -17,7 +17,14 @@ from appserver.shown import shown
 from cron.adapter import KernelAdapter
 from cron.runner import DeliverFn, RunNowResult, TurnOutcome, deliver_reply, settle
 from cron.scheduler import Scheduler
-from cron.store import CorruptStateFile, CronNotFound, CronStoreError, CronTask
+from cron.store import (
+    NOT_STARTED_DISABLED,
+    NOT_STARTED_REMOVED,
+    CorruptStateFile,
+    CronNotFound,
+    CronStoreError,
+    CronTask,
+)
 
 log = logging.getLogger("appserver.cron")
 
@@ -138,8 +145,10 @@ class CronService:
         """Record the outcomes of cron turns that a previous server submitted but did not see end
         (killed, or stopped while they were queued or running): this process settles or runs
         them now. Each is watched until it ends, then logged like any other, and its reply sent
-        where the run was to deliver it (`delivered` or `delivery_failed`, as for any run);
-        returns how many."""
+        where the run was to deliver it (`delivered` or `delivery_failed`, as for any run); one
+        still queued whose task was removed or disabled meanwhile (`cron remove`/`disable` while no
+        server ran: its claim is gone with a removed task, so no take-over finds it) is dropped
+        from its queue, `cancelled`, not started, as a running scheduler drops it; returns how many."""
         pending = await asyncio.to_thread(self.scheduler.unrecorded_turns)
         if not pending:
             return 0
@@ -170,11 +179,16 @@ class CronService:
                 and await self.server.kernel.owner_alive(turn.owner)
             ):
                 continue  # another live process runs it and will record it
-            target, why_not = recovered_delivery(turn.source, task, removed=tasks is not None and task is None)
+            removed = tasks is not None and task is None
+            target, why_not = recovered_delivery(turn.source, task, removed=removed)
             self.scheduler.watch(
                 task_id, occurrence, turn_id, target, not_delivered=why_not, before_delivery=self._channels_up
             )
             watched += 1
+            stopped = NOT_STARTED_REMOVED if removed else NOT_STARTED_DISABLED if task and not task.enabled else None
+            if stopped is not None and turn.status == "queued":
+                # removed or disabled while no server ran: dropped now, before its queue reaches it
+                await self.scheduler.withdraw_run(task_id, occurrence, turn_id, stopped)
         log.info("cron: recovering the outcome of %d turn(s) of a previous server", len(pending))
         return watched
 

@@ -919,7 +919,7 @@ class Chat:
             try:
                 await self.client.request({"type": "unsubscribe", "conversation": self.conv_id})
                 created = await self.client.request({"type": "create_conversation", "agent": self.agent_id})
-                self.conv_id = created["conversation"]["id"]
+                self.conv_id = conversation_of(created)[1]
                 await self.client.request({"type": "subscribe", "conversation": self.conv_id})
                 self.screen.line(f"new conversation {exact(self.conv_id)}")
             except ProtocolError as exc:
@@ -1257,8 +1257,9 @@ async def chat(
         nonlocal conversation, keys, session
         if conversation == "new":  # as `appserver run --conversation new`
             created = await client.request({"type": "create_conversation", "agent": agent})
-            conversation = created["conversation"]["id"]
+            conversation = conversation_of(created)[1]
         state = await client.request({"type": "subscribe", "conversation": conversation, "agent": agent})
+        agent_id, conversation = conversation_of(state)
         tty_out = sys.stdout.isatty()
         screen = Screen(color=tty_out and not os.environ.get("NO_COLOR"), ansi=tty_out)
         keys = Keys(loop, events, cbreak=tty_out)
@@ -1266,8 +1267,8 @@ async def chat(
         session = Chat(
             client,
             agent,
-            state["conversation"]["agent_id"],
-            state["conversation"]["id"],
+            agent_id,
+            conversation,
             screen,
             LineEditor(screen, echo=keys.tty),
             show_reasoning,
@@ -1285,6 +1286,8 @@ async def chat(
         if not job.done():  # a signal, and the session did not end by itself in time
             await cancel_until_done(job, WORK_STOP_WAIT_S, WORK_STOP_POLL_S)
         if signalled and (not job.done() or job.cancelled()):
+            if session is None:  # stopped while creating or subscribing: said as while connecting
+                raise Interrupted(signalled[0], "no turn was started")
             return 128 + signalled[0]
         return job.result()
     finally:
@@ -1303,6 +1306,21 @@ async def chat(
             transport = getattr(client.ws, "transport", None)
             if transport is not None:
                 transport.abort()
+
+
+def conversation_of(reply: dict[str, Any]) -> tuple[str, str]:
+    """(agent id, conversation id) of a `create_conversation` or `subscribe` reply; a reply without
+    them (a broken or foreign server) is a ProtocolError, one error line as for any refusal, not a
+    traceback: no session can start without them."""
+    conv = reply.get("conversation")
+    agent_id = conv.get("agent_id") if isinstance(conv, dict) else None
+    conv_id = conv.get("id") if isinstance(conv, dict) else None
+    if not isinstance(agent_id, str) or not isinstance(conv_id, str) or not conv_id:
+        raise ProtocolError(
+            "malformed_reply",
+            f"the server's {visible(reply.get('type'))} reply names no conversation (a malformed frame)",
+        )
+    return agent_id, conv_id
 
 
 async def connect_or_interrupted(connecting: Awaitable[ProtocolClient]) -> ProtocolClient:

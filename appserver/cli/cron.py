@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -29,7 +30,7 @@ from appserver.fsutil import CorruptStateFile, StateFileRefused
 from appserver.shown import shown
 from cron.credentials import TokenCredentials
 from cron.lease import LeaseHolder
-from cron.runlog import ClaimsInHand, find_removed, read_run_log
+from cron.runlog import ClaimsInHand, find_removed, open_runs, read_run_log
 from cron.schedule import (
     ScheduleError,
     ScheduleSpec,
@@ -681,9 +682,8 @@ def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
         click.echo(f"{k.ljust(width)}  {v}")
 
 
-def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
-    cfg = _config()
-    store, which = _store(cfg), _agent_filter(cfg, agent)
+def _toggle(cfg: Config, store: CronStore, ref: str, agent: str | None, enabled: bool) -> CronTask:
+    which = _agent_filter(cfg, agent)
     if enabled:
         task = _read_to_change(store).find(ref, which)
         _refuse_invalid(task, "be enabled")
@@ -746,7 +746,8 @@ def _runnable(task: str, agent: str | None) -> None:
 @_user_errors
 def enable_cmd(ref: str, agent: str | None) -> None:
     """Enable a task; a recurring one resumes from now (no catch-up for the disabled period)."""
-    t = _toggle(ref, agent, True)
+    cfg = _config()
+    t = _toggle(cfg, _store(cfg), ref, agent, True)
     click.echo(f"enabled {exact(t.name)} ({exact(t.id)}); next run {_local(t.next_due_at, t.schedule.tz)}")
 
 
@@ -755,9 +756,11 @@ def enable_cmd(ref: str, agent: str | None) -> None:
 @click.option("--agent", default=None)
 @_user_errors
 def disable_cmd(ref: str, agent: str | None) -> None:
-    """Disable a task without removing it."""
-    t = _toggle(ref, agent, False)
-    click.echo(f"disabled {exact(t.name)} ({exact(t.id)})")
+    """Disable a task without removing it (its queued run is dropped before this says done)."""
+    cfg = _config()
+    store = _store(cfg)
+    t = _toggle(cfg, store, ref, agent, False)
+    _say_done(cfg, store, f"disabled {exact(t.name)} ({exact(t.id)})", t.id)
 
 
 @cron_group.command("remove")
@@ -765,14 +768,95 @@ def disable_cmd(ref: str, agent: str | None) -> None:
 @click.option("--agent", default=None)
 @_user_errors
 def remove_cmd(ref: str, agent: str | None) -> None:
-    """Remove a task, an invalid one too (its run log stays in cron-runs/)."""
+    """Remove a task, an invalid one too (its run log stays in cron-runs/; its queued run is
+    dropped before this says done)."""
     cfg = _config()
     store = _store(cfg)
     t = store.remove_any(ref, _agent_filter(cfg, agent), scheduler_alive=_scheduler_alive(store))
     if isinstance(t, InvalidTask):
         click.echo(f"removed the invalid task {_raw_field(t, 'name')} ({exact(t.id)})")
         return
-    click.echo(f"removed {exact(t.name)} ({exact(t.id)}); its run log stays 30 days: appserver cron logs {exact(t.id)}")
+    _say_done(
+        cfg,
+        store,
+        f"removed {exact(t.name)} ({exact(t.id)}); its run log stays 30 days: appserver cron logs {exact(t.id)}",
+        t.id,
+    )
+
+
+# How long `remove`/`disable` wait for the running scheduler to drop the task's queued run (it
+# looks for changes of crons.json every 0.25 s and drops the run right away), and how often they look
+DROP_WAIT_S = 15.0
+DROP_POLL_S = 0.05
+
+
+def _say_done(cfg: Config, store: CronStore, done: str, task_id: str) -> None:
+    """Say `done` once the task's runs queued in a running server are dropped (or found started:
+    a started run finishes): a reply answered right after the command, which lets the queue move
+    on, must not start a run the command said it stopped. A run still queued after DROP_WAIT_S is
+    an error (exit 1): the change is saved, but the run may still start."""
+    runs = _runs_in_hand(store, task_id)
+    dropped, started, queued = _await_drops(cfg, runs) if runs else ([], [], [])
+    click.echo(done)
+    for number in dropped:
+        click.echo(f"its queued run #{number} was dropped: not started")
+    for number in started:
+        click.echo(f"its run #{number} had already started: it finishes")
+    if queued:
+        shown_runs = ", ".join(f"#{n} (turn {turn_id})" for n, turn_id in queued)
+        raise _OneLineError(
+            f"the server did not drop the queued run {shown_runs} within {DROP_WAIT_S:g} s: it may still start "
+            f"(see appserver cron logs {task_id})"
+        )
+
+
+def _runs_in_hand(store: CronStore, task_id: str) -> list[tuple[int, str]]:
+    """The task's submitted runs without an outcome, while a live scheduler holds the lease: it
+    drops the queued ones as soon as it sees the change (`Scheduler._withdraw_runs`). None while
+    no scheduler runs: the server that starts next drops them as it starts
+    (`CronService.recover_outcomes`), before any queue moves."""
+    try:
+        owner = store.read().scheduler_owner
+        if owner is None or not _scheduler_alive(store)(owner):
+            return []
+        return open_runs(store.runs_dir, task_id)
+    except (CronStoreError, CorruptStateFile, OSError, ValueError):
+        return []  # the change is saved; the scheduler drops the run as it reads the tasks
+
+
+def _await_drops(cfg: Config, runs: list[tuple[int, str]]) -> tuple[list[int], list[int], list[tuple[int, str]]]:
+    """Watch the runs' turns in the server's store until each is dropped or started, at most
+    DROP_WAIT_S: (dropped, started, still queued)."""
+    import asyncio
+
+    from appserver.store.select import make_store
+
+    async def watch() -> tuple[list[int], list[int], list[tuple[int, str]]]:
+        store = make_store(cfg)
+        await store.open()
+        try:
+            dropped: list[int] = []
+            started: list[int] = []
+            left = list(runs)
+            deadline = time.monotonic() + DROP_WAIT_S
+            while True:
+                waiting = []
+                for number, turn_id in left:
+                    turn = await store.get_turn(turn_id)
+                    if turn is not None and turn.status == "queued" and turn.started_at is None:
+                        waiting.append((number, turn_id))
+                    elif turn is not None and turn.started_at is not None:
+                        started.append(number)
+                    elif turn is not None:
+                        dropped.append(number)
+                left = waiting
+                if not left or time.monotonic() >= deadline:
+                    return dropped, started, left
+                await asyncio.sleep(DROP_POLL_S)
+        finally:
+            await store.close()
+
+    return asyncio.run(watch())
 
 
 @cron_group.command("run")

@@ -828,6 +828,8 @@ class Endpoint:
         )
         if ref.lower() in ("default", "new"):  # in any case, as over HTTP
             ref = ref.lower()
+            if ref == "default" and agent_ref == "":  # given, but empty (`--agent "$UNSET"`)
+                raise FrameError("bad_frame", "agent: give an agent name or id (it was empty)", "agent")
             if ref == "new" or not agent_ref:
                 raise FrameError(
                     "bad_frame",

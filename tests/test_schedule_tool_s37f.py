@@ -143,3 +143,26 @@ def test_one_chat_cannot_use_up_another_chats_quota(srv: tuple[ChannelServer, st
 
     made = _call(chat, "quotaB", "carol", _create("carols", "remind carol"))
     assert made.startswith("schedule -> created task carols"), made
+
+
+def test_without_credentials_chats_are_kept_apart_too(tmp_path: Path) -> None:
+    # auth mode `none` (the default): the gateway is unowned like every caller, so its chats'
+    # conversations are told by the route the gateway opened them for (their metadata); a local
+    # turn still sees every task the tool made
+    with FakeChat() as chat, channel_server(fakechat_home(tmp_path / "home", chat, stream=False)) as server:
+        made = _call(chat, "noneB", "bob", _create("bobs", "BOB PRIVATE"))
+        assert made.startswith("schedule -> created task bobs"), made
+        (bobs,) = [t for t in _tasks(server.home) if t["name"] == "bobs"]
+        listed = _call(chat, "noneA", "alice", {"action": "list"})
+        assert listed == "schedule -> no scheduled tasks", listed
+        cancel = _call(chat, "noneA", "alice", {"action": "cancel", "id": bobs["id"]})
+        assert "no cron task" in cancel, cancel
+        aimed = _call(chat, "noneA", "alice", _create("aimed", conversation=bobs["conversation"]))
+        assert "schedule create failed" in aimed, aimed
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "assistant", "messages": [{"role": "user", "content": '/call schedule {"action": "list"}'}]},
+            timeout=T,
+            verify=SSL,
+        )
+        assert r.status_code == 200 and "BOB PRIVATE" in r.json()["choices"][0]["message"]["content"], r.text

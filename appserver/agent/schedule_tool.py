@@ -14,7 +14,8 @@ The channel gateway's credential is one namespace for every chat of every channe
 conversation itself, as the per-chat routing keeps chats apart: a turn in a gateway conversation
 schedules only into that conversation, lists and cancels only its tasks, and its names and caps are
 the conversation's (`CronStore.add(per_conversation=True)`), so one chat neither reads, cancels nor
-crowds out another's.
+crowds out another's. Without credentials (auth mode `none`) the gateway is unowned like every
+caller, and a chat's conversation is the one it opened for a route (`channel_route` metadata).
 
 Task names are scoped the same way: a task remembers the namespace it was created in, names are
 unique per agent and namespace (`CronStore.add`), and cancel finds a name only among the caller's
@@ -92,26 +93,40 @@ def _is_gateway(ns: str | None) -> bool:
     return ns is not None and ns.startswith(_TOKEN_NAMESPACE) and is_reserved_name(ns[len(_TOKEN_NAMESPACE) :])
 
 
-async def _caller_namespace(store: Store, ctx: ToolContext) -> str | None:
-    """The namespace of the conversation this tool runs in (None: unowned, sees all)."""
+# The metadata key the gateway opens a chat's conversation with (gateway/app.py): the route it is for.
+CHAT_ROUTE_KEY = "channel_route"
+
+
+async def _caller(store: Store, ctx: ToolContext) -> tuple[str | None, bool]:
+    """The namespace of the conversation this tool runs in (None: unowned, sees all), and whether
+    it is a chat's: the gateway's credential's, or, where there are no credentials (auth mode
+    `none`: the gateway is unowned like every caller), one the gateway opened for a route. A chat
+    is kept to its own conversation either way; a marker set by hand on another conversation only
+    narrows what the tool does there."""
     conv = await store.get_conversation(ctx.conversation_id)
-    return conv.namespace if conv is not None else _UNKNOWN
+    if conv is None:
+        return _UNKNOWN, False
+    return conv.namespace, _is_gateway(conv.namespace) or CHAT_ROUTE_KEY in conv.metadata
 
 
-async def _target_allowed(store: Store, ctx: ToolContext, ns: str | None, target: str) -> bool:
-    if ns is None or target == ctx.conversation_id:
+async def _target_allowed(store: Store, ctx: ToolContext, ns: str | None, target: str, chat: bool) -> bool:
+    if target == ctx.conversation_id:
         return True
-    if target in ("new", "default") or _is_gateway(ns):  # a chat's turn: only its own conversation
+    if chat:  # a chat's turn: only its own conversation
+        return False
+    if ns is None:
+        return True
+    if target in ("new", "default"):
         return False  # unowned conversations: outside every credential's namespace
     conv = await store.get_conversation(target)
     return conv is not None and conv.agent_id == ctx.agent.id and namespace_allows(ns, conv.namespace)
 
 
-async def _create_target_problem(store: Store, ctx: ToolContext, ns: str | None, target: str) -> str | None:
+async def _create_target_problem(store: Store, ctx: ToolContext, ns: str | None, target: str, chat: bool) -> str | None:
     """Why a new task may not run in `target`, or None. Checked when the task is made, as `cron
     add` does: a conversation that is missing or another agent's would fail at every run."""
-    if ns is not None:
-        if await _target_allowed(store, ctx, ns, target):
+    if ns is not None or chat:
+        if await _target_allowed(store, ctx, ns, target, chat):
             return None
         return f"conversation {shown(target)} is not one this conversation's owner may use"
     if target in ("new", "default") or target == ctx.conversation_id:
@@ -124,19 +139,21 @@ async def _create_target_problem(store: Store, ctx: ToolContext, ns: str | None,
     return None
 
 
-def _visible_tasks(ns: str | None, tasks: list[CronTask], conversation: str) -> list[CronTask]:
+def _visible_tasks(ns: str | None, tasks: list[CronTask], conversation: str, chat: bool) -> list[CronTask]:
     """The tasks this caller may list and cancel: a credential's own namespace only (whatever
-    conversation they run in), except the gateway's, whose chats each see only the tasks of their
+    conversation they run in), except a chat (`chat`), which sees only the tasks it made in its
     own `conversation`; an unowned caller (admin, local), which sees every namespace as it sees
     every conversation, every task the tool made; nobody the operator's CLI tasks."""
-    if ns is None:
+    if ns is None and not chat:
         return [t for t in tasks if t.namespace is not None]
     own = _stored_namespace(ns)
     mine = [t for t in tasks if own is not None and t.namespace == own]
-    return [t for t in mine if t.conversation == conversation] if _is_gateway(ns) else mine
+    return [t for t in mine if t.conversation == conversation] if chat else mine
 
 
-def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversation: str, ns: str | None) -> str:
+def _create(
+    store: CronStore, args: dict[str, Any], ctx: ToolContext, conversation: str, ns: str | None, chat: bool
+) -> str:
     given = [(k, args[k]) for k in KINDS if args.get(k)]
     if len(given) != 1:
         raise ScheduleError("give exactly one of cron, every, at, in")
@@ -173,7 +190,7 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversati
         max_in_namespace=MAX_TASKS_PER_NAMESPACE,
         max_namespace_bytes=NAMESPACE_MAX_BYTES,
         max_tool_bytes=TOOL_TASKS_MAX_BYTES,
-        per_conversation=_is_gateway(ns),
+        per_conversation=chat,
     )
     when = task.next_fire_at.isoformat(timespec="minutes") if task.next_fire_at else "never"
     return f"created task {task.name} ({task.id}); next run {when}"
@@ -203,22 +220,23 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
     store = cron_store_for(ctx.config.home, ctx.config.store.url)
     action = args.get("action")
     try:
-        ns = await _caller_namespace(conversations, ctx)
+        ns, chat = await _caller(conversations, ctx)
         if action == "create":
             # Omitted: this very conversation, as the parameter's description tells the model.
             conversation = str(args.get("conversation") or "").strip() or ctx.conversation_id
-            problem = await _create_target_problem(conversations, ctx, ns, conversation)
+            problem = await _create_target_problem(conversations, ctx, ns, conversation, chat)
             if problem is not None:
                 return ToolOutput(
                     f"schedule create failed: {problem}; omit `conversation` to schedule into this conversation",
                     is_error=True,
                 )
-            text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns)
+            text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns, chat)
         elif action == "list":
-            text = _list(_visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id), ctx.conversation_id))
+            listed = await asyncio.to_thread(store.list, ctx.agent.id)
+            text = _list(_visible_tasks(ns, listed, ctx.conversation_id, chat))
         elif action == "cancel":
             ref = str(args.get("name") or args.get("id") or "")
-            mine = _visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id), ctx.conversation_id)
+            mine = _visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id), ctx.conversation_id, chat)
             found = [t for t in mine if t.id == ref] or [t for t in mine if t.name == ref]
             if not found:
                 raise CronNotFound(f"no cron task {shown(ref)}")  # another's is as if it did not exist

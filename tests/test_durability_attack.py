@@ -121,11 +121,21 @@ class Stored:
 
     def __init__(self, db: sqlite3.Connection) -> None:
         self.inputs: dict[str, list[tuple[str, str, str]]] = {}
+        wrote: dict[str, str] = {}  # turn → the input it wrote
         for tid, status, conv, content in db.execute(
             "SELECT t.id, t.status, t.conversation_id, m.content FROM turns t JOIN messages m ON m.turn_id = t.id "
             "WHERE m.role = 'user'"
         ):
             self.inputs.setdefault(content, []).append((tid, status, conv))
+            wrote[tid] = content
+        # a keyed retry's re-run of a turn that answered nothing writes no input of its own: it ran
+        # the input of the turn it names (`rerun_of`), once in the history
+        for tid, status, conv, earlier in db.execute(
+            "SELECT id, status, conversation_id, json_extract(input, '$.rerun_of') FROM turns"
+            " WHERE json_extract(input, '$.rerun_of') IS NOT NULL"
+        ):
+            if earlier in wrote:
+                self.inputs.setdefault(wrote[earlier], []).append((tid, status, conv))
         self.replies: dict[str, list[str]] = {}
         for tid, content in db.execute("SELECT turn_id, content FROM messages WHERE role = 'assistant' ORDER BY id"):
             self.replies.setdefault(tid, []).append(content)

@@ -30,6 +30,8 @@ def calling_model(req: RecordedRequest) -> Reply:
     results = sum(1 for m in messages if m.get("role") == "tool")
     if str(first).startswith("CLIENT") and not any(m.get("role") == "tool" for m in messages):
         calls = [tool_delta(0, id=f"call_{uuid.uuid4().hex[:8]}", name="lookup", arguments="{}")]
+    elif str(first).startswith("MIXED") and results == 1:  # a clock call, then the client's
+        calls = [tool_delta(0, id=f"call_{uuid.uuid4().hex[:8]}", name="lookup", arguments="{}")]
     elif results < 3:
         n = 2 if str(first).startswith("TWICE") else 1
         calls = [tool_delta(i, id=f"call_{uuid.uuid4().hex[:8]}", name="clock", arguments="{}") for i in range(n)]
@@ -127,3 +129,24 @@ def test_the_clients_function_tools_are_not_counted(served: tuple[openai.OpenAI,
     assert len(ran) == 1, clock_calls(second)
     assert {"clock", "lookup"} <= set(offered(fake.requests[0]))
     assert offered(fake.requests[-1]) == ["lookup"]  # the server's tools withheld, the client's kept
+
+
+def test_a_request_resuming_the_turn_has_its_own_cap(served: tuple[openai.OpenAI, FakeOpenAI]) -> None:
+    # OpenAI counts max_tool_calls per response: the calls the turn ran before the request's answers
+    # were the earlier response's
+    client, fake = served
+    fake.clear()
+    lookup = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+    first = client.responses.create(model="a", input="MIXED", tools=[lookup], max_tool_calls=1)  # type: ignore[list-item]
+    assert len([c for c in clock_calls(first) if c[1]]) == 1, clock_calls(first)
+    [call] = [i for i in first.output if i.type == "function_call"]
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "found"}
+    second = client.responses.create(
+        model="a",
+        previous_response_id=first.id,
+        input=[answer],  # type: ignore[list-item]
+        tools=[lookup],  # type: ignore[list-item]
+        max_tool_calls=1,
+    )
+    assert second.status == "completed" and second.output_text == "done", second
+    assert len([c for c in clock_calls(second) if c[1]]) == 1, clock_calls(second)

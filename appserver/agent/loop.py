@@ -120,13 +120,16 @@ MAX_TOOL_CALLS = "max_tool_calls"
 
 
 def server_calls_made(work: TurnWork) -> int:
-    """The calls of the server's tools the turn's model asked for so far, in every step (those of
-    earlier segments are in the history: a turn's messages end it)."""
+    """The calls of the server's tools the model asked for in the request's part of the turn: its
+    steps in every segment (those of earlier segments are in the history: a turn's messages end
+    it), after the step whose calls the request answered when it resumed the turn (ANSWERED_AT:
+    the options, the cap among them, are that request's; OpenAI counts it per response)."""
+    since = work.options.get(ANSWERED_AT)
     made = 0
     for m in reversed([*work.history, *work.new_messages]):
         if m.turn_id != work.turn_id:
             break
-        if m.role == "assistant":
+        if m.role == "assistant" and (not isinstance(since, int) or m.iteration > since):
             made += sum(1 for c in m.tool_calls if c.get("executor") != "client")
     return made
 

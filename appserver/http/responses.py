@@ -1293,6 +1293,15 @@ def response_options(body: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
+def previous_not_found(prev_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"Previous response with id '{prev_id}' not found.",
+        code="previous_response_not_found",
+        param="previous_response_id",
+    )
+
+
 def calls_pending(call_ids: list[str]) -> ApiError:
     """New input while the conversation waits for answers: 409 naming what it waits for."""
     return ApiError(
@@ -1869,12 +1878,7 @@ class Responses:
             )
         fields.string(prev_id, "previous_response_id")
         if prev_id is not None and not prev_id.strip():  # names no response (not "none"), as a blank id
-            raise ApiError(
-                404,
-                f"Previous response with id '{prev_id}' not found.",
-                code="previous_response_not_found",
-                param="previous_response_id",
-            )
+            raise previous_not_found(prev_id)
         if conv_param is not None and not isinstance(conv_param, str):
             raise fields.type_error("conversation", "one of a string or object", conv_param)
         if prev_id and conv_param:
@@ -2109,7 +2113,7 @@ class Responses:
         self.matcher.release(head)
         rec = await self.server.store.get_response(prev_id or "")
         if rec is None:  # placed at it a moment ago: deleted since
-            raise ApiError(404, f"Previous response with id '{prev_id}' not found.", code="previous_response_not_found")
+            raise previous_not_found(prev_id or "")
         fork = await self.matcher.fork_at(
             agent,
             ns,
@@ -2167,6 +2171,14 @@ class Responses:
             return False
         conv = await self.server.store.get_conversation(owner.conversation_id)
         return conv is not None and self.matcher.visible(conv, agent, ns)
+
+    async def _previous(self, prev_id: str, ns: str | None, principal: Principal) -> ResponseRecord | None:
+        """The stored response `previous_response_id` names, if the caller may continue it: whose it
+        is first (`_readable_response`: another credential's body is never read); None for an
+        item index (item_index_id) or a response kept with store false, as for an unknown id."""
+        readable = await self._readable_response(prev_id, ns, principal)
+        rec = await self.server.store.get_response(prev_id) if readable else None
+        return rec if rec is not None and rec.stored else None
 
     async def _readable_response(self, rid: str, ns: str | None, principal: Principal) -> bool:
         """Response `rid` is one this caller may GET (its namespace, an agent its credential may
@@ -2286,22 +2298,15 @@ class Responses:
         store = self.server.store
         principal = principal_of(request)
         if rerun is not None:
+            if prev_id and await self._previous(prev_id, ns, principal) is None:
+                raise previous_not_found(prev_id)  # deleted since the attempt it repeats: as for any request
             again = await self.matcher.by_rerun(agent, ns, rerun)
             if again is not None:
                 return again
         if prev_id:
-            # whose it is first (`_readable_response`): another credential's body is never read
-            readable = await self._readable_response(prev_id, ns, principal)
-            rec = await store.get_response(prev_id) if readable else None
-            if (
-                rec is None or not rec.stored  # an item index (item_index_id), or a response kept with store false
-            ):
-                raise ApiError(
-                    404,
-                    f"Previous response with id '{prev_id}' not found.",
-                    code="previous_response_not_found",
-                    param="previous_response_id",
-                )
+            rec = await self._previous(prev_id, ns, principal)
+            if rec is None:
+                raise previous_not_found(prev_id)
             await self._refuse_other_header(request, agent, ns, rec.conversation_id, "previous_response_id")
             rec = await self.as_ended(rec)
             if await self._withdrawn(rec):

@@ -79,6 +79,9 @@ START_POLL_S = 0.05
 # defaults) pauses intake within 1 s of its start.
 VOUCH_EVERY_S = 0.25
 VOUCH_FOR_S = 1.0
+# A stopping server of a cluster waits at most this for its gateway to confirm the pause (the
+# child answers within milliseconds; a wedged one is ended by the stop anyway).
+PAUSE_WAIT_S = 1.0
 
 
 def gateway_token_name(config: Config) -> str:
@@ -157,6 +160,8 @@ class ChannelService:
         self._held_since: float | None = None
         self._doubt_at = 0.0
         self._fence_at = math.inf
+        self._vouching: asyncio.Task[None] | None = None
+        self._stopping = False  # a server of a cluster that is stopping vouches for nothing more
 
     @property
     def enabled(self) -> bool:
@@ -234,6 +239,7 @@ class ChannelService:
         cut_off = asyncio.Event()
         cluster.on_cut_off = cut_off.set
         vouching = asyncio.get_running_loop().create_task(self._vouch_forever(cluster, cut_off), name="channels-vouch")
+        self._vouching = vouching
         try:
             await self._check_leases(url, cluster)
         finally:
@@ -304,11 +310,31 @@ class ChannelService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(cut_off.wait(), every)
 
+    async def pause_intake(self) -> None:
+        """The server is stopping (SIGTERM, SIGINT): in a cluster its gateway acknowledges nothing
+        from now on, before turns drain and leases go. A message it took meanwhile would stay in this
+        home's ledger while another server takes the account; refused (503), the platform offers it
+        to that server. A server alone on its store keeps taking them: its ledger stays on the same
+        home and the restarted server answers what it holds (the gate is open for good there)."""
+        if self._vouching is None or self._stopping:
+            return
+        self._stopping = True  # every later word (`_intake_until`) and a restarted child's first: 0
+        # a word computed before this moment and not yet written would reopen the gate: none is sent
+        self._vouching.cancel()
+        supervisor = self.supervisor
+        if supervisor is not None and supervisor.view.state in ("running", "unresponsive"):
+            if await supervisor.vouch(0.0, timeout=PAUSE_WAIT_S):
+                log.info("channels: stopping: the gateway's intake is paused (another server takes the accounts)")
+            else:
+                log.warning("channels: stopping: the gateway did not confirm its intake is paused")
+
     def _intake_until(self, cluster: Cluster) -> float:
         """Until when (monotonic) this server vouches for its gateway's intake; 0: not now. Only
         while it is not fenced and a lease check begun since it last may have been (seen fenced,
         or past the moment it would be, unseen: this process stalled) found the accounts its own:
         meanwhile another server may have taken one."""
+        if self._stopping:
+            return 0.0
         now = time.monotonic()
         # Its session away at all (`cut_off`), not only past the grace (`fenced`): a message taken
         # meanwhile cannot be submitted, and past the grace another server may take the account,

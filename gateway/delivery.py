@@ -84,6 +84,10 @@ class EditUncertain(DeliveryFailed):
     (`Outbox.edit_landed`); a reply whose final edit the platform was asked about and could not
     vouch for is not `delivered`."""
 
+    def __init__(self, message: str, began: float | None = None) -> None:
+        super().__init__(message)
+        self.began = began  # epoch seconds: when the last attempt that may have landed began
+
 
 class SendRefused(DeliveryFailed):
     """A send the platform refused on every attempt with an answer that says it did nothing (a 4xx
@@ -412,17 +416,18 @@ class Outbox:
         `EditUncertain` when an attempt may have been performed, else `DeliveryFailed`."""
         formatted = self.format(text)
         edit = getattr(self.adapter, "edit")  # noqa: B009 - optional method of the contract
-        uncertain = False
+        uncertain: float | None = None  # when the last attempt that may have been performed began
 
         async def attempt() -> None:
             nonlocal uncertain
+            began = self._wall()
             try:
                 await edit(target, message_id, formatted)
             except TimeoutError:  # a plugin's own timeout: the edit may have been performed
-                uncertain = True
+                uncertain = began
                 raise
             except DeliveryError as exc:
-                uncertain = uncertain or exc.uncertain
+                uncertain = began if exc.uncertain else uncertain
                 raise
 
         try:
@@ -433,8 +438,8 @@ class Outbox:
             cause = exc.__cause__
             if isinstance(cause, DeliveryError) and cause.permanent and cause.retry_after is None:
                 raise EditRefused(str(exc)) from cause
-            if uncertain:
-                raise EditUncertain(str(exc)) from exc
+            if uncertain is not None:
+                raise EditUncertain(str(exc), uncertain) from exc
             raise
 
     @property
@@ -442,14 +447,30 @@ class Outbox:
         """Whether the platform can be asked what a message shows now (the adapter's `shown`)."""
         return callable(getattr(self.adapter, "shown", None))
 
-    async def edit_landed(self, target: Target, message_id: str, text: str, before: str | None) -> bool | None:
+    async def edit_landed(
+        self, target: Target, message_id: str, text: str, before: str | None, since: float | None = None
+    ) -> bool | None:
         """Whether an edit of `message_id` to `text` that may not have landed did: the message as
         the platform shows it now (the adapter's optional `shown`, Slack's history lookup) reads
         `text` (True) or still `before`, the text it had (False); None when it cannot tell (no
-        `shown`, the lookup failed, or the message reads neither)."""
+        `shown`, the lookup failed, or the message reads neither). An edit begun at `since` (epoch
+        seconds) may still be in the platform's hands, as a send may: a message that still reads
+        `before` is looked at again LOOKUP_SETTLE_S after it, before it counts as not landed."""
         shown = getattr(self.adapter, "shown", None)
         if not callable(shown):
             return None
+        landed = await self._edit_shown(target, message_id, text, before)
+        if landed is not False or since is None:
+            return landed
+        settle = since + LOOKUP_SETTLE_S - self._wall()
+        if settle <= 0:
+            return landed
+        await self._sleep(settle)
+        return await self._edit_shown(target, message_id, text, before)
+
+    async def _edit_shown(self, target: Target, message_id: str, text: str, before: str | None) -> bool | None:
+        """One look at `message_id`: reads `text` (True), `before` (False), or cannot tell (None)."""
+        shown = getattr(self.adapter, "shown")  # noqa: B009 - optional method of the contract
         try:
             now = await self._call(target.chat, lambda: shown(target, message_id), LOOKUP)
         except DeliveryFailed as exc:
@@ -762,7 +783,7 @@ class ReplySink:
                 log.warning("%s: the final edit of %s may not have landed (%s)", self.target.chat, part.message_id, exc)
                 part.text = None
                 return
-            landed = await self.outbox.edit_landed(self.target, part.message_id, chunk, part.text)
+            landed = await self.outbox.edit_landed(self.target, part.message_id, chunk, part.text, exc.began)
             if landed is None:
                 log.error("%s: the final edit of %s may not have landed (%s)", self.target.chat, part.message_id, exc)
                 self._unsure.append(f"the final edit of {part.message_id} may not have landed: {exc}")

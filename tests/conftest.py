@@ -69,6 +69,7 @@ SLOW_FILES_FIRST = (
     "test_cron_s22.py",
     "test_gateway_cluster_s36d.py",
     "test_gateway_cluster_s37b.py",
+    "test_gateway_cluster_s37i.py",
     "test_cron_s37e.py",
     "test_gateway_s37d.py",
     "test_schedule_tool_s37f.py",

@@ -18,7 +18,7 @@ import signal
 import socket
 import ssl
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
@@ -132,12 +132,21 @@ class _UvicornServer(uvicorn.Server):
                 # default while it finalizes, and a signal then would still kill it.
                 signal.signal(sig, signal.SIG_IGN)
 
-    def __init__(self, config: uvicorn.Config, hub: Hub, stopping: Stopping | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        hub: Hub,
+        stopping: Stopping | None = None,
+        pause_intake: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._exit_asked: asyncio.Event | None = None
         super().__init__(config)
         self.hub = hub
         self.requests = stopping or Stopping()
         self._stopping = False
+        # the channels' gateway, in a cluster, takes no platform message once the stop began
+        self._pause_intake = pause_intake
+        self._stopper: asyncio.Task[None] | None = None
 
     # uvicorn's main loop looks at `should_exit` every 0.1 s: a stop asked for wakes it at once instead.
     @property
@@ -198,14 +207,20 @@ class _UvicornServer(uvicorn.Server):
         # each as "Exception in ASGI application" with a CancelledError traceback: the stop, not a fault.
         logging.getLogger("uvicorn.error").addFilter(_drop_cancelled)
         told = self.hub.broadcast_event("server_stopping", {"reason": "shutdown"})
-        if not told:
-            self.should_exit = True
-            return
         # Let the notice reach connected clients before uvicorn closes their sockets (1012).
-        asyncio.get_running_loop().call_later(STOP_NOTICE_S, self._stop)
+        self._stopper = asyncio.get_running_loop().create_task(self._stop(STOP_NOTICE_S if told else 0.0))
 
-    def _stop(self) -> None:
-        self.should_exit = True
+    async def _stop(self, notice_s: float) -> None:
+        """Pause the gateway's intake first (a cluster's: channels.py `pause_intake`), so nothing
+        it acknowledges waits in this home's ledger while another server takes the account; then
+        the drain, once the notice had its time."""
+        try:
+            pausing = self._pause_intake() if self._pause_intake is not None else asyncio.sleep(0)
+            await asyncio.gather(pausing, asyncio.sleep(notice_s))
+        except Exception:  # noqa: BLE001 - the stop goes on whatever the pause did
+            log.exception("stopping: could not pause the gateway's intake")
+        finally:
+            self.should_exit = True
 
 
 def build_asgi(
@@ -621,7 +636,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
         edge.keepalive_timeout_s,
         ", ".join(proxies) or "none",
     )
-    uv = _UvicornServer(uv_config, services.hub, stopping)
+    uv = _UvicornServer(uv_config, services.hub, stopping, services.channels.pause_intake)
     task = asyncio.create_task(uv.serve())
     while not uv.started:
         if task.done():

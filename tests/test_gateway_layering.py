@@ -6,6 +6,8 @@ import ast
 import re
 from pathlib import Path
 
+from tests.support.source import parse_source
+
 GATEWAY = Path(__file__).resolve().parents[1] / "gateway"
 # plugins.contract / plugins.loader are outside appserver and cron; appserver.sqlitewal is the
 # stdlib-only WAL check gateway.db shares with the store (tests/test_import_rules.py)
@@ -15,7 +17,7 @@ ALLOWED = ("appserver.client", "appserver.sqlitewal")
 def imported_modules(path: Path) -> set[str]:
     """Every module (or `module.name`) a file imports, lazy and TYPE_CHECKING imports included."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_source(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -11,6 +11,8 @@ import ast
 import functools
 from pathlib import Path
 
+from tests.support.source import parse_source
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("appserver", "cron", "gateway", "plugins")
 # What the gateway child and the plugins may use of the rest: the protocol client (gateway) and the
@@ -52,7 +54,7 @@ def imports_of(path: Path, module: str) -> set[str]:
     `if TYPE_CHECKING:` blocks too)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parse_source(path)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):

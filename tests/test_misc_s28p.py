@@ -34,6 +34,7 @@ from tests.support.cli import ROOT, cli_env, run_cli
 from tests.support.gateway import channel_server
 from tests.support.pg import require_postgres, temp_database
 from tests.support.serve import ServeProcess, start_serve_at, stop_all
+from tests.support.source import parse_source
 from tests.support.ws import WS
 
 T = 30.0
@@ -160,7 +161,7 @@ EXAMPLE = ROOT / "examples" / "plugins" / "echo_room"
 
 
 def _docstring() -> str:
-    doc = ast.get_docstring(ast.parse((EXAMPLE / "plugin.py").read_text()))
+    doc = ast.get_docstring(parse_source(EXAMPLE / "plugin.py"))
     assert doc is not None
     return doc
 

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from gateway.ledger import Entry, Ledger, Receipt
 
@@ -113,9 +114,14 @@ class IntakeGate:
     so a word that lay in the pipe counts from when the server wrote it. A start longer than the
     first word lasts is no pause worth a log line: the server's words follow once the child is ready."""
 
-    def __init__(self, until: float | None = None, server: ServerProcess | None = None) -> None:
+    def __init__(
+        self, until: float | None = None, server: ServerProcess | None = None, let_go: Callable[[], bool] | None = None
+    ) -> None:
         self._until = until
         self._server = server
+        # whether the server let go of this child (its stdin closed: stopping it), which it may do
+        # before the child read a command, while it starts with the start envelope's word
+        self._let_go = let_go
         self._changed = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._heard = False  # a word came from the running server (not only the start envelope's)
@@ -129,6 +135,9 @@ class IntakeGate:
         if self._server is not None and self._server.stopped():
             # a stopped server's word still holds, but nothing it vouched for is submitted now
             self._closed(f"the server's process (pid {self._server.pid}) is stopped or gone")
+            return False
+        if self._let_go is not None and self._let_go():
+            self._closed("the server is stopping this gateway (its stdin closed)")
             return False
         return True
 

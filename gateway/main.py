@@ -78,7 +78,7 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
             raise ValueError("the first line must be the start envelope")
         home = Path(str(start["home"]))
         specs = [AccountSpec.from_json(a) for a in start.get("accounts") or []]
-        gate = _intake_gate(start.get("intake_until"))
+        gate = _intake_gate(start.get("intake_until"), stdin)
     except (TimeoutError, ValueError, KeyError, TypeError) as exc:
         log.error("no valid start envelope on stdin: %s", exc)
         return EXIT_BAD_START
@@ -114,15 +114,16 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
         ledger.close()
 
 
-def _intake_gate(until: Any) -> IntakeGate:
+def _intake_gate(until: Any, stdin: asyncio.StreamReader) -> IntakeGate:
     """The intake gate the start envelope asks for: open for good without `intake_until` (a server
     alone on its store), else open until then (a server of a cluster vouches for it from then on)
-    and while the server, this process's parent, is not stopped."""
+    while the server, this process's parent, is not stopped, and has not closed our stdin (a
+    stopping server may, before this child read any command, with no word to pause it)."""
     if until is None:
         return IntakeGate()
     if isinstance(until, bool) or not isinstance(until, int | float):
         raise ValueError("intake_until must be a number")
-    return IntakeGate(float(until), ServerProcess.parent())
+    return IntakeGate(float(until), ServerProcess.parent(), stdin.at_eof)
 
 
 async def lock_ledger(home: Path, control: ControlWriter, wait_s: float = LOCK_WAIT_S) -> int | None:

@@ -104,7 +104,6 @@ from appserver.runtime import TERMINAL_STATUSES, Decision, TurnHandle, TurnSnaps
 from appserver.runtime.kernel import NAMESPACE_DEFAULT_NAME
 from appserver.runtime.settle import not_run_text, stopped_text
 from appserver.runtime.snapshot import answered_unrun
-from appserver.store.base import StoreUnavailable
 from appserver.store.records import AgentRecord, ResponseRecord, TurnSettings
 
 if TYPE_CHECKING:
@@ -2752,14 +2751,7 @@ class _Run:
                     yield ev("response.failed", response=body)
                     return
                 kept = True  # from here on, the outcome is stored by finalize (or it failed loudly)
-                try:
-                    body = await self.finalize(last)
-                except StoreUnavailable as exc:
-                    # the turn ran, its response could not be stored (a full disk: store/sqlite.py
-                    # `after_turn` says what stays): an `error` event the SDKs raise, never a cut stream
-                    log.warning("response %s could not be stored: %s", shape.id, exc)
-                    yield ev("error", code="store_unavailable", message=str(exc), param=None)
-                    return
+                body = await self.finalize(last)
                 # A cancelled response (another client cancelled or dropped its turn) ends as it is
                 # stored and as the non-stream answer says: status `cancelled`, in the event OpenAI
                 # has for a response that ended early without failing (it has no event of its own).

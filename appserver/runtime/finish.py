@@ -154,8 +154,7 @@ def _reply_unsaved(
     error["message"] = (
         f"the turn's input was saved in conversation {record.conversation_id}, but its reply could not be: "
         f"{write_cause(exc)}. Once the store takes writes again, send the request again with the same "
-        "Idempotency-Key before anything else is sent to the conversation (it runs this input again where it is, "
-        "not adding it a second time); without a key, "
+        "Idempotency-Key (it runs this input again where it is, not adding it a second time); without a key, "
         "do not send the input again: continue the conversation"
     )
     if held and not record.input_committed:

@@ -854,25 +854,14 @@ class SQLiteStore(Store):
     def _write_unsaved_ends(self, tx: sqlite3.Connection, conversation_id: str | None, ends: list[str]) -> None:
         """The kept ends of turns (of `conversation_id`, or all) whose rows are still open, written
         in `tx` before what it writes: a turn's input lands before anything later in its
-        conversation, and one of another conversation with the next write that goes through (not
-        left `running` until a restart). Runs again harmlessly (a group re-run, two accepts in one
-        group). `ends` learns their turns' ids, dropped once `tx` committed (`_ends_written`). An
-        end whose conversation was deleted since is dropped, never failing `tx`'s own write."""
+        conversation. Runs again harmlessly (a group re-run, two accepts in one group). `ends`
+        learns their turns' ids, dropped once `tx` committed (`_ends_written`)."""
         for turn_id, (cid, commit) in list(self._unsaved_ends.items()):
             if conversation_id is not None and cid != conversation_id:
                 continue
-            tx.execute("SAVEPOINT unsaved_end")
-            try:
-                row = tx.execute("SELECT status FROM turns WHERE id=?", (turn_id,)).fetchone()
-                if row is not None and row["status"] in ("queued", "running"):
-                    self._write_turn(tx, cid, commit)
-            except sqlite3.IntegrityError as exc:
-                tx.execute("ROLLBACK TO unsaved_end")
-                log.warning(
-                    "the failed end of turn %s could not be written (its conversation is gone): %s", turn_id, exc
-                )
-            finally:
-                tx.execute("RELEASE unsaved_end")
+            row = tx.execute("SELECT status FROM turns WHERE id=?", (turn_id,)).fetchone()
+            if row is not None and row["status"] in ("queued", "running"):
+                self._write_turn(tx, cid, commit)
             ends.append(turn_id)
 
     def _ends_written(self, ends: list[str]) -> None:
@@ -883,7 +872,7 @@ class SQLiteStore(Store):
         self, tx: sqlite3.Connection, turn: TurnRecord, idempotency_scope: str | None, now: float, ends: list[str]
     ) -> None:
         if self._unsaved_ends:
-            self._write_unsaved_ends(tx, None, ends)
+            self._write_unsaved_ends(tx, turn.conversation_id, ends)
         unsaved = self._unsaved.get(turn.conversation_id) if self._unsaved else None
         if unsaved is not None and not tx.execute("SELECT 1 FROM conversations WHERE id=?", (unsaved.id,)).fetchone():
             self._insert_conversation(tx, unsaved)  # commits with this turn, or not at all
@@ -1063,7 +1052,7 @@ class SQLiteStore(Store):
     def _commit_turn(self, tx: sqlite3.Connection, conversation_id: str, commit: TurnCommit, ends: list[str]) -> None:
         try:
             if self._unsaved_ends:
-                self._write_unsaved_ends(tx, None, ends)
+                self._write_unsaved_ends(tx, conversation_id, ends)
             self._write_turn(tx, conversation_id, commit)
         except sqlite3.IntegrityError as exc:
             # Every row a commit inserts refers to its conversation (turns and pending calls go

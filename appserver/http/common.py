@@ -1549,9 +1549,7 @@ def api_route(
                 response = error_response(400, str(exc), code="invalid_value")
             except StoreUnavailable as exc:  # the database's doing (a restart, a terminated session)
                 log.warning("request on %s failed: %s", route, exc)
-                # its turn ran (store/sqlite.py `after_turn`): an SDK sending it again would add its input twice
-                again = {"x-should-retry": "false"} if getattr(exc, "after_turn", False) else {"Retry-After": "1"}
-                response = error_response(503, str(exc), code="store_unavailable", headers=again)
+                response = error_response(503, str(exc), code="store_unavailable", headers={"Retry-After": "1"})
             except Exception as exc:
                 rid = current_request_id() or new_request_id()  # the x-request-id of this response
                 log.exception("request %s on %s failed", rid, route)

@@ -110,9 +110,6 @@ PROVIDER_FAILURES: dict[str, tuple[int, str]] = {
     "protocol": (502, "upstream_protocol_error"),
     "taken_over": (503, "server_unavailable"),  # not upstream: a cluster's survivor has the conversation now
     "store_unavailable": (503, "store_unavailable"),  # not upstream: the database ended the connection
-    # not upstream: the turn's input was saved but its reply could not be (a full disk): a retry
-    # without the request's Idempotency-Key would add the input again (runtime/finish.py)
-    "reply_unsaved": (503, "store_unavailable"),
     "interrupted": (503, "turn_interrupted"),  # not upstream: the server running the turn stopped
 }
 

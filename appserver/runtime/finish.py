@@ -24,12 +24,11 @@ from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers
 from appserver.runtime.restore import controller_from_store
-from appserver.runtime.settle import TurnEnd, input_messages, store_failure
+from appserver.runtime.settle import TurnEnd, store_failure
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
 from appserver.store.base import ConversationGone, Store, StoreUnavailable, TurnSettledElsewhere
-from appserver.store.groupcommit import StoreFull, StoreLocked, write_cause
-from appserver.store.records import TurnCommit, TurnRecord
+from appserver.store.records import TurnRecord
 from appserver.values import value
 
 log = logging.getLogger("appserver.runtime")
@@ -92,8 +91,6 @@ async def finish_turn(
                 log.exception("could not commit turn %s", record.id)
             failure = exc
             end = store_failure(exc)
-            if isinstance(exc, (StoreFull, StoreLocked)):  # known not written (not PostgreSQL's maybe-committed)
-                end = _reply_unsaved(store, record, commit, end, exc, held=seat is not None)
             if seat is not None:
                 seat.history.drop()
             if isinstance(exc, TurnSettledElsewhere):
@@ -134,43 +131,6 @@ async def finish_turn(
         seat.lifecycle.finish(lease)
     settled(record, controller.snapshot())
     return Finished(end, failure)
-
-
-def _reply_unsaved(
-    store: Store, record: TurnRecord, commit: TurnCommit, end: TurnEnd, exc: StoreUnavailable, *, held: bool
-) -> TurnEnd:
-    """The end of an accepted turn could not be written (a full disk, the file locked): its input
-    was saved by the accept (its turn's row; the history too once a checkpoint wrote it), so the
-    error says that and how to go on, never the write's own "nothing of this request was written"
-    (its client would send the input again: twice in the conversation). Its failed end, the input
-    kept as a restart would keep it, is written before the next write that goes through
-    (`Store.commit_turn_later`): the turn then reads as failed, and a retry with its
-    Idempotency-Key re-runs that input in place (http/common.py `Idempotency.earlier`). Only for a
-    turn whose input was not in the history yet (held by a runtime, no withdrawn input): one that
-    was stays open until a restart settles it, as it did."""
-    if end.error is None or (not commit.input_committed and not record.input_committed):
-        return end  # an input withdrawn from the queue: it never was in the conversation
-    error = dict(end.error, kind="reply_unsaved")  # HTTP: 503 `store_unavailable`, `x-should-retry: false`
-    error["message"] = (
-        f"the turn's input was saved in conversation {record.conversation_id}, but its reply could not be: "
-        f"{write_cause(exc)}. Once the store takes writes again, send the request again with the same "
-        "Idempotency-Key (it runs this input again where it is, not adding it a second time); without a key, "
-        "do not send the input again: continue the conversation"
-    )
-    if held and not record.input_committed:
-        failed = TurnCommit(
-            record.id,
-            "failed",
-            "error",
-            input_messages(record),
-            error=error,
-            usage=dict(commit.usage),
-            revision=commit.revision,
-            iteration=commit.iteration,
-            input_committed=True,
-        )
-        store.commit_turn_later(record.conversation_id, failed)
-    return TurnEnd(end.status, end.stop_reason, error)
 
 
 def _unsaved_cut_off(

@@ -270,12 +270,6 @@ class Store(ABC):
 
     @abstractmethod
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None: ...
-    def commit_turn_later(self, conversation_id: str, commit: TurnCommit) -> None:
-        """`commit` is the end of an accepted turn whose own end could not be written (a full disk):
-        a store that can writes it before the next write that goes through (sqlite.py), so that the
-        turn's row tells what its client was told. Nothing by default (a restart settles the turn)."""
-        return None
-
     @abstractmethod
     async def checkpoint_turn(
         self,

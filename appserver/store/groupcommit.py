@@ -8,15 +8,11 @@ the tables: a job is any `Callable[[sqlite3.Connection], None]`; the queries liv
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import resource
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from pathlib import Path
 
-from appserver.fsutil import os_error_line
 from appserver.store.base import StoreUnavailable
 
 log = logging.getLogger("appserver.store")
@@ -46,71 +42,18 @@ LOCKED_TRY_S = 0.05
 _BUSY = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (the low byte of an extended code)
 
 
-NOTHING_WRITTEN = "nothing of this request was written"
-
-
 class StoreFull(StoreUnavailable, sqlite3.OperationalError):
-    """The disk holding the SQLite file is full (SQLITE_FULL), or a write went past this process's
-    file size limit (`ulimit -f`, EFBIG): nothing of the write stayed; the store is unavailable
-    until there is room (HTTP 503 `store_unavailable`), not broken. `cause` says why without what
-    it means for the request: a write after the request's first one (a turn's reply, after its
-    input) says that its own way (runtime/finish.py)."""
-
-    def __init__(
-        self,
-        cause: str,
-        remedy: str = "free some space (the server goes on once there is room)",
-        outcome: str = NOTHING_WRITTEN,
-    ) -> None:
-        super().__init__(f"{cause}: {outcome}; {remedy}")
-        self.cause = cause
-        self.remedy = remedy
-        self.after_turn = outcome != NOTHING_WRITTEN  # the request's turn ran: a resend would run it again
-
-
-def write_cause(exc: BaseException) -> str:
-    """Why a write failed, without the claim about its request ("nothing of this request was
-    written") that is true of the request's first write only."""
-    if isinstance(exc, StoreFull):
-        return exc.cause
-    return str(exc).split(f": {NOTHING_WRITTEN}")[0]
+    """The disk holding the SQLite file is full (SQLITE_FULL): nothing of the write stayed; the
+    store is unavailable until there is room (HTTP 503 `store_unavailable`), not broken."""
 
 
 SQLITE_FULL = 13
-SQLITE_IOERR_WRITE = 778  # SQLITE_IOERR | 3 << 8: how a write past RLIMIT_FSIZE (EFBIG) reaches us
-# A write past the limit fails when it would end beyond it: a file this close to the limit is at it
-# (a WAL frame is a page and its header, a checkpoint grows the database by a few pages).
-FSIZE_MARGIN = 256 * 1024
 
 
 def is_full(exc: BaseException) -> bool:
     """`exc` is SQLite's "database or disk is full"."""
     code = getattr(exc, "sqlite_errorcode", None)
     return isinstance(exc, sqlite3.OperationalError) and isinstance(code, int) and code & 0xFF == SQLITE_FULL
-
-
-def file_size_limit() -> int | None:
-    """This process's file size limit (`ulimit -f`) in bytes; None when there is none."""
-    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
-
-
-def over_size_limit(files: Sequence[Path]) -> Path | None:
-    """The first of `files` within FSIZE_MARGIN of the file size limit, or None: SQLite says only
-    "disk I/O error" for a write it refused (EFBIG), so the sizes tell that from a failing disk."""
-    limit = file_size_limit()
-    if limit is None:
-        return None
-    for path in files:
-        with suppress(OSError):
-            if path.stat().st_size + FSIZE_MARGIN >= limit:
-                return path
-    return None
-
-
-def size_limit_cause(path: Path) -> str:
-    """`path` cannot grow past the file size limit, worded as `token create` words it (fsutil.py)."""
-    return os_error_line(OSError(errno.EFBIG, "File too large", str(path))) or str(path)
 
 
 class StoreLocked(StoreUnavailable, sqlite3.OperationalError):
@@ -150,11 +93,9 @@ class GroupCommit:
         committed: Callable[[], None],
         failed: Callable[[BaseException], None] = lambda exc: None,
         name: str = "the database",
-        files: Sequence[Path] = (),
     ) -> None:
         self._connection = connection
         self._name = name  # the store's file, as an error names it
-        self._files = tuple(files)  # the store's files on disk (a file size limit is told by their sizes)
         self._locked = False  # the last write found the file locked by another process
         self._busy_ms: tuple[int, int] | None = None  # (id of the connection, its busy_timeout set here)
         self._committed = committed
@@ -197,20 +138,13 @@ class GroupCommit:
         self._committed()
 
     def _as_store_error(self, exc: BaseException | None) -> BaseException | None:
-        """A full disk, or a write past the file size limit, as StoreFull (503 `store_unavailable`,
-        saying so); every other error as it is."""
-        if exc is None or isinstance(exc, StoreUnavailable) or not isinstance(exc, sqlite3.OperationalError):
+        """A full disk as StoreFull (503 `store_unavailable`, saying so), every other error as it is."""
+        if exc is None or isinstance(exc, StoreUnavailable) or not is_full(exc):
             return exc
-        if is_full(exc):
-            return StoreFull(f"the disk holding {self._name} is full")
-        if getattr(exc, "sqlite_errorcode", None) == SQLITE_IOERR_WRITE:
-            path = over_size_limit(self._files)
-            if path is not None:
-                return StoreFull(
-                    size_limit_cause(path).split("; ")[0],
-                    "raise the limit of the server's process (the server goes on once writes fit)",
-                )
-        return exc
+        return StoreFull(
+            f"the disk holding {self._name} is full: nothing of this request was written; "
+            "free some space (the server goes on once there is room)"
+        )
 
     def submit(
         self, job: Job, *, defer: bool = False, on_failure: Callable[[BaseException], None] | None = None
@@ -339,8 +273,8 @@ class GroupCommit:
                 self._locked = True
                 log.warning("%s is locked by another process: writes fail until it lets go", self._name)
             raise StoreLocked(
-                f"{self._name} is locked by another process (a write waited {wait_s:g} s for it): {NOTHING_WRITTEN}; "
-                "retry once that process lets go of the database"
+                f"{self._name} is locked by another process (a write waited {wait_s:g} s for it): nothing of "
+                "this request was written; retry once that process lets go of the database"
             ) from exc
         if self._locked:
             self._locked = False

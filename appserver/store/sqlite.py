@@ -23,7 +23,6 @@ from filelock import FileLock, Timeout
 
 from appserver.fsutil import StateFileRefused, check_sqlite_side_files
 from appserver.procid import identity, identity_alive
-from appserver.sqlitewal import wal_path
 from appserver.store.agentcache import AgentCache, copy_agent
 from appserver.store.base import (
     DELETE_ORPHAN_RESPONSES,
@@ -32,13 +31,12 @@ from appserver.store.base import (
     Store,
     StoreError,
     StoreFileGone,
-    StoreUnavailable,
     conversation_page_ids,
     history_points_read,
     idempotency_cutoff,
 )
 from appserver.store.checkpointer import WAL_BACKSTOP_PAGES, Checkpointer
-from appserver.store.groupcommit import GroupCommit, StoreFull, over_size_limit, write_cause
+from appserver.store.groupcommit import GroupCommit
 from appserver.store.integrity import (
     QUICK_CHECK_MAX_BYTES,
     StoreOpenError,
@@ -231,19 +229,6 @@ def handoff(path: Path | str, timeout: float, *, required: bool = True) -> Itera
         lock.release()
 
 
-def after_turn(exc: StoreFull, what: str, conversation_id: str) -> StoreFull:
-    """A write after a request's turn ran (its response, its reply's place for later requests to
-    find) met a full disk: what the turn saved stays, and the error says so, never "nothing of this
-    request was written" (its client would send the input again: twice in the conversation)."""
-    return StoreFull(
-        exc.cause,
-        exc.remedy,
-        f"what the turn saved stays in conversation {conversation_id}, but {what} could not be stored (a retry "
-        "with the same Idempotency-Key answers from it without running the input again; without a key, do not "
-        "send the input again)",
-    )
-
-
 class SQLiteStore(Store):
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path) if path != ":memory:" else path
@@ -251,22 +236,12 @@ class SQLiteStore(Store):
         self.fresh = False  # True when open() created the schema (first use of this home)
         self._agent_cache = AgentCache(self._load_agents)
         # The single writer: grouped turn commits and plain transactions, in order (groupcommit.py).
-        files = (self.path, wal_path(self.path)) if isinstance(self.path, Path) else ()
-        self._writes = GroupCommit(
-            self._writer, self._committed, self.note_failure, name=f"the store {self.path}", files=files
-        )
+        self._writes = GroupCommit(self._writer, self._committed, self.note_failure, name=f"the store {self.path}")
         self.damage: str | None = None  # what SQLite found damaged while the server runs
         # Conversations whose queued insert (create_conversation) did not commit (a full disk, the
         # file locked by another process): the kernel holds them already, so the next accept in
         # one writes them first (`_accept_turn`) rather than failing as if they had been deleted.
         self._unsaved: dict[str, ConversationRecord] = {}
-        # Ends of accepted turns that could not be written (`commit_turn_later`), by turn id: the
-        # next accept or commit in their conversation, or the next claim of an Idempotency-Key,
-        # writes them first, so that the rows tell what the turns' clients were told.
-        self._unsaved_ends: dict[str, tuple[str, TurnCommit]] = {}
-        # Idempotency-Keys of failed requests that could not be let go (a full disk): the next
-        # claim of a key lets them go first, else a retry would wait for a request that ended.
-        self._held_keys: dict[tuple[str, str], None] = {}
         # The text size of the last big draft written per running turn (BIG_DRAFT_GROWTH).
         self._big_drafts: dict[str, int] = {}
         self._checkpointer: Checkpointer | None = None
@@ -397,12 +372,6 @@ class SQLiteStore(Store):
                     f"disk nearly full: {free:,} bytes free for {self.path.parent} (needs {min_free_bytes:,}; "
                     "[limits] min_free_disk_bytes)"
                 )
-        at_limit = over_size_limit((self.path, wal_path(self.path))) if isinstance(self.path, Path) else None
-        if at_limit is not None:  # writes that grow it fail (EFBIG) while small ones still go through
-            raise StoreError(
-                f"{at_limit} is at this process's file size limit (ulimit -f): writes that grow it fail; raise the "
-                "limit of the server's process"
-            )
         self._write_probe = (self._write_probe + 1) % 1_000_000
         with self._tx() as tx:
             tx.execute(f"PRAGMA user_version = {self._write_probe + 1}")  # header page only; no table
@@ -833,12 +802,9 @@ class SQLiteStore(Store):
         key already used in `scope`, raise DuplicateTurn."""
         now = time.time()
         turn.created_at = turn.created_at or now
-        ends: list[str] = []  # kept turn ends this accept wrote (`commit_turn_later`)
-        await self._writes.submit(lambda tx: self._accept_turn(tx, turn, idempotency_scope, now, ends))
+        await self._writes.submit(lambda tx: self._accept_turn(tx, turn, idempotency_scope, now))
         if self._unsaved:
             self._unsaved.pop(turn.conversation_id, None)  # committed with this turn, if it was not before
-        if ends:
-            self._ends_written(ends)
         return turn
 
     def _not_saved(self, conv: ConversationRecord) -> None:
@@ -846,33 +812,7 @@ class SQLiteStore(Store):
         while len(self._unsaved) > UNSAVED_MAX:  # oldest first: a bound on what repeated failures keep
             del self._unsaved[next(iter(self._unsaved))]
 
-    def commit_turn_later(self, conversation_id: str, commit: TurnCommit) -> None:
-        self._unsaved_ends[commit.turn_id] = (conversation_id, commit)
-        while len(self._unsaved_ends) > UNSAVED_MAX:  # oldest first: a restart settles what is dropped
-            del self._unsaved_ends[next(iter(self._unsaved_ends))]
-
-    def _write_unsaved_ends(self, tx: sqlite3.Connection, conversation_id: str | None, ends: list[str]) -> None:
-        """The kept ends of turns (of `conversation_id`, or all) whose rows are still open, written
-        in `tx` before what it writes: a turn's input lands before anything later in its
-        conversation. Runs again harmlessly (a group re-run, two accepts in one group). `ends`
-        learns their turns' ids, dropped once `tx` committed (`_ends_written`)."""
-        for turn_id, (cid, commit) in list(self._unsaved_ends.items()):
-            if conversation_id is not None and cid != conversation_id:
-                continue
-            row = tx.execute("SELECT status FROM turns WHERE id=?", (turn_id,)).fetchone()
-            if row is not None and row["status"] in ("queued", "running"):
-                self._write_turn(tx, cid, commit)
-            ends.append(turn_id)
-
-    def _ends_written(self, ends: list[str]) -> None:
-        for turn_id in ends:
-            self._unsaved_ends.pop(turn_id, None)
-
-    def _accept_turn(
-        self, tx: sqlite3.Connection, turn: TurnRecord, idempotency_scope: str | None, now: float, ends: list[str]
-    ) -> None:
-        if self._unsaved_ends:
-            self._write_unsaved_ends(tx, turn.conversation_id, ends)
+    def _accept_turn(self, tx: sqlite3.Connection, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
         unsaved = self._unsaved.get(turn.conversation_id) if self._unsaved else None
         if unsaved is not None and not tx.execute("SELECT 1 FROM conversations WHERE id=?", (unsaved.id,)).fetchone():
             self._insert_conversation(tx, unsaved)  # commits with this turn, or not at all
@@ -1015,10 +955,7 @@ class SQLiteStore(Store):
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None:
         """One turn's rows, atomically, in the next group transaction (groupcommit.py)."""
         self._big_drafts.pop(commit.turn_id, None)  # the commit clears the draft
-        ends: list[str] = []  # kept turn ends of the conversation written first (`commit_turn_later`)
-        await self._writes.submit(lambda tx: self._commit_turn(tx, conversation_id, commit, ends))
-        if ends:
-            self._ends_written(ends)
+        await self._writes.submit(lambda tx: self._commit_turn(tx, conversation_id, commit))
 
     async def checkpoint_turn(
         self,
@@ -1049,10 +986,8 @@ class SQLiteStore(Store):
                 raise ConversationGone(conversation_id)
             tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
 
-    def _commit_turn(self, tx: sqlite3.Connection, conversation_id: str, commit: TurnCommit, ends: list[str]) -> None:
+    def _commit_turn(self, tx: sqlite3.Connection, conversation_id: str, commit: TurnCommit) -> None:
         try:
-            if self._unsaved_ends:
-                self._write_unsaved_ends(tx, conversation_id, ends)
             self._write_turn(tx, conversation_id, commit)
         except sqlite3.IntegrityError as exc:
             # Every row a commit inserts refers to its conversation (turns and pending calls go
@@ -1214,12 +1149,6 @@ class SQLiteStore(Store):
 
     async def save_response(self, response: ResponseRecord) -> None:
         response.created_at = response.created_at or time.time()
-        try:
-            self._save_response(response)
-        except StoreFull as exc:
-            raise after_turn(exc, f"the response {response.id}", response.conversation_id) from exc
-
-    def _save_response(self, response: ResponseRecord) -> None:
         with self._tx() as tx:
             tx.execute(
                 "INSERT OR REPLACE INTO responses(id, agent_id, conversation_id, turn_id, previous_response_id, "
@@ -1266,38 +1195,25 @@ class SQLiteStore(Store):
         is replaced, whatever it holds."""
         entry.created_at = entry.created_at or time.time()
         entry.owner = entry.owner or self.owner
-        ends: list[str] = []
         with self._tx() as tx:
-            if self._unsaved_ends:  # a key's earlier turn tells how it ended (`Idempotency.earlier`)
-                self._write_unsaved_ends(tx, None, ends)
-            if self._held_keys:
-                tx.executemany(
-                    "DELETE FROM http_idempotency WHERE scope=? AND key=? AND state='pending' AND owner=?",
-                    [(scope, key, self.owner) for scope, key in self._held_keys],
+            row = tx.execute(
+                "SELECT * FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key)
+            ).fetchone()
+            if row is not None and row["created_at"] < idempotency_cutoff():
+                tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key))
+            elif row is not None:
+                if row["state"] != "pending" or row["body_hash"] != entry.body_hash or not self._orphaned(row["owner"]):
+                    return http_idempotency(row)
+                log.warning(
+                    "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
+                    entry.key,
+                    row["owner"],
                 )
-            found = self._claim(tx, entry)
-        if ends:
-            self._ends_written(ends)
-        self._held_keys.clear()
-        return found
-
-    def _claim(self, tx: sqlite3.Connection, entry: HttpIdempotency) -> HttpIdempotency | None:
-        row = tx.execute("SELECT * FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key)).fetchone()
-        if row is not None and row["created_at"] < idempotency_cutoff():
-            tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key))
-        elif row is not None:
-            if row["state"] != "pending" or row["body_hash"] != entry.body_hash or not self._orphaned(row["owner"]):
-                return http_idempotency(row)
-            log.warning(
-                "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
-                entry.key,
-                row["owner"],
+                tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key))
+            tx.execute(
+                "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) VALUES (?,?,?,?,?,?)",
+                (entry.scope, entry.key, entry.body_hash, "pending", entry.created_at, entry.owner),
             )
-            tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key))
-        tx.execute(
-            "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) VALUES (?,?,?,?,?,?)",
-            (entry.scope, entry.key, entry.body_hash, "pending", entry.created_at, entry.owner),
-        )
         return None
 
     async def release_orphaned_http_idempotency(self) -> int:
@@ -1322,38 +1238,16 @@ class SQLiteStore(Store):
     async def finish_http_idempotency(
         self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None
     ) -> None:
-        """Keep a request's answer under its key. One the store cannot write now (a full disk) is
-        not kept: the key is let go by the next claim, and a repeat with it follows the request's
-        turn (`Idempotency.earlier`) instead of running it again; the request keeps its answer."""
-        try:
-            with self._tx() as tx:
-                tx.execute(
-                    "UPDATE http_idempotency SET state='done', status_code=?, content_type=?, body=?, "
-                    "conversation_id=? WHERE scope=? AND key=?",
-                    (status_code, content_type, body, conversation_id, scope, key),
-                )
-        except StoreUnavailable as exc:
-            self._hold_key(scope, key, exc)
+        with self._tx() as tx:
+            tx.execute(
+                "UPDATE http_idempotency SET state='done', status_code=?, content_type=?, body=?, conversation_id=? "
+                "WHERE scope=? AND key=?",
+                (status_code, content_type, body, conversation_id, scope, key),
+            )
 
     async def drop_http_idempotency(self, scope: str, key: str) -> None:
-        """Let a failed request's key go. One the store cannot write now (a full disk) is let go by
-        the next claim, and the request's own error stands (never this write's: it would say that
-        nothing of a request whose input was saved was written)."""
-        try:
-            with self._tx() as tx:
-                tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (scope, key))
-        except StoreUnavailable as exc:
-            self._hold_key(scope, key, exc)
-
-    def _hold_key(self, scope: str, key: str, exc: StoreUnavailable) -> None:
-        log.warning(
-            "Idempotency-Key %r could not be let go now (%s): the next request with a key lets it go",
-            key,
-            write_cause(exc),
-        )
-        self._held_keys[(scope, key)] = None
-        while len(self._held_keys) > UNSAVED_MAX:
-            del self._held_keys[next(iter(self._held_keys))]
+        with self._tx() as tx:
+            tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (scope, key))
 
     async def note_http_idempotency(
         self, scope: str, key: str, content_type: str, body: str, conversation_id: str | None
@@ -1404,10 +1298,7 @@ class SQLiteStore(Store):
             )
 
         if wait:
-            try:
-                await self._writes.submit(write)
-            except StoreFull as exc:
-                raise after_turn(exc, "the reply's place in it", point.conversation_id) from exc
+            await self._writes.submit(write)
         else:
             self._writes.submit(write, defer=True)
 

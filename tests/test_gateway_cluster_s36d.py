@@ -13,12 +13,10 @@ Bot API (tests/fakes/telegram_api.py); the webhook channel with signed POSTs and
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +31,13 @@ from gateway.db import default_path
 from plugins.webhook.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from tests.fakes.telegram_api import FakeTelegram
 from tests.support.cli import cli_env
-from tests.support.gateway import ChannelServer, gateway_children, start_channel_server, write_config
+from tests.support.gateway import (
+    ChannelServer,
+    WebhookReplies,
+    gateway_children,
+    start_channel_server,
+    write_config,
+)
 from tests.support.pg import require_postgres, temp_database
 
 pytestmark = pytest.mark.timeout(150)
@@ -218,38 +222,6 @@ def test_a_short_stop_pauses_intake_and_the_holder_answers_after_it(tmp_path: Pa
             _stop_all([node])
 
 
-class _Replies:
-    """A receiver of the webhook's replies (`reply_url`), on an ephemeral port."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        lock = threading.Lock()
-        bodies = self.bodies
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server name
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                with lock:
-                    bodies.append(json.loads(body))
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/r"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def texts_for(self, message_id: str) -> list[str]:
-        return [str(b.get("text")) for b in list(self.bodies) if b.get("reply_to") == message_id]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def _post(port: int, message_id: str, text: str) -> httpx.Response:
     body = json.dumps({"id": message_id, "chat": "kitchen", "sender": "tester", "text": text}).encode()
     stamp = str(int(time.time()))
@@ -287,7 +259,7 @@ def test_a_cut_off_holders_webhook_answers_503_and_the_survivor_answers_the_retr
     listener is 503 with Retry-After, never a 202 nobody answers; the same POST sent again to the
     survivor's listener, once it took the account over, is accepted and answered."""
     require_postgres()
-    replies = _Replies()
+    replies = WebhookReplies()
     role = ""
     try:
         with temp_database("gw_s36d_wh") as url, _own_role(url) as role:
@@ -346,7 +318,7 @@ def test_a_holder_whose_session_is_lost_pauses_at_once_and_takes_messages_again_
     soon after the cut, and once its session is back and the lease checked it takes and answers
     messages again itself (nobody took the account over)."""
     require_postgres()
-    replies = _Replies()
+    replies = WebhookReplies()
     role = ""
     try:
         with temp_database("gw_s36_grace") as url, _own_role(url) as role:

@@ -13,12 +13,10 @@ notices the session is gone; a message refused meanwhile is answered, once, when
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
 import sqlite3
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,8 +31,14 @@ import pytest
 from gateway.db import default_path
 from plugins.webhook.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from tests.support.cli import cli_env
-from tests.support.gateway import ChannelServer, gateway_children, start_channel_server, write_config
-from tests.support.pg import ADMIN_URL, require_postgres, url_for
+from tests.support.gateway import (
+    ChannelServer,
+    WebhookReplies,
+    gateway_children,
+    start_channel_server,
+    write_config,
+)
+from tests.support.pg import ADMIN_URL, temp_database
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,20 +59,6 @@ CUT_ROUNDS = 4
 
 
 @contextmanager
-def _database() -> Iterator[str]:
-    """A database of this test's own (fx_b_*), dropped at the end."""
-    require_postgres()
-    name = f"fx_b_s37b_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as c:
-        c.execute(f"CREATE DATABASE {name}")
-    try:
-        yield url_for(name)
-    finally:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as c:
-            c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-@contextmanager
 def _own_role(url: str) -> Iterator[str]:
     """A login role of its own (fx_b_*: to cut one server off the database), dropped at the end."""
     role = f"fx_b_s37b_{uuid.uuid4().hex[:10]}"
@@ -83,39 +73,6 @@ def _own_role(url: str) -> Iterator[str]:
             c.execute(f"DROP OWNED BY {role}")
         with psycopg.connect(ADMIN_URL, autocommit=True) as c:
             c.execute(f"DROP ROLE IF EXISTS {role}")
-
-
-class _Replies:
-    """A receiver of the webhook's replies (`reply_url`), on an ephemeral port."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        lock = threading.Lock()
-        bodies = self.bodies
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server name
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                with lock:
-                    bodies.append(json.loads(body))
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/r"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def reply_ids(self, message_id: str) -> set[str]:
-        """The ids of the replies to `message_id` (a reply sent again keeps its id)."""
-        return {str(b.get("id")) for b in list(self.bodies) if b.get("reply_to") == message_id}
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _post(port: int, message_id: str) -> httpx.Response:
@@ -147,7 +104,7 @@ def _accepted(port: int, message_id: str, timeout: float = 40) -> None:
     _wait(lambda: _status(port, message_id) in (200, 202), timeout, f"{message_id} was never accepted")
 
 
-def _answered_once(replies: _Replies, ids: list[str], timeout: float = 40) -> None:
+def _answered_once(replies: WebhookReplies, ids: list[str], timeout: float = 40) -> None:
     _wait(lambda: all(replies.reply_ids(i) for i in ids), timeout, "not every accepted message was answered")
     time.sleep(1.0)  # a second answer would come soon after the first
     twice = {i: replies.reply_ids(i) for i in ids if len(replies.reply_ids(i)) != 1}
@@ -180,7 +137,7 @@ def _stop(pid: int) -> None:
     _wait(lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", 5, "not stopped")
 
 
-def _webhook(port: int, replies: _Replies) -> dict[str, Any]:
+def _webhook(port: int, replies: WebhookReplies) -> dict[str, Any]:
     return {
         "listen": f"127.0.0.1:{port}",
         "secret_env": "WEBHOOK_SECRET",
@@ -189,7 +146,7 @@ def _webhook(port: int, replies: _Replies) -> dict[str, Any]:
     }
 
 
-def _server(home: Path, url: str, port: int, replies: _Replies, timings: dict[str, str]) -> ChannelServer:
+def _server(home: Path, url: str, port: int, replies: WebhookReplies, timings: dict[str, str]) -> ChannelServer:
     write_config(home, {"webhook": {"main": _webhook(port, replies)}}, ["webhook"])
     env = cli_env(home, APPSERVER_STORE__URL=url, WEBHOOK_SECRET=SECRET, **timings)
     return start_channel_server(home, env=env)
@@ -211,19 +168,19 @@ def _end(nodes: list[ChannelServer]) -> None:
 
 
 @pytest.fixture
-def replies() -> Iterator[_Replies]:
-    receiver = _Replies()
+def replies() -> Iterator[WebhookReplies]:
+    receiver = WebhookReplies()
     yield receiver
     receiver.close()
 
 
 def test_a_stopped_holders_gateway_refuses_from_the_first_moment_and_the_survivor_answers(
-    tmp_path: Path, replies: _Replies
+    tmp_path: Path, replies: WebhookReplies
 ) -> None:
     """SIGSTOP of the holder: every POST to its listener from then on is 503 with Retry-After
     (it was 202 for some 2 s, and those messages were never answered); sent again, the survivor
     takes each over and answers it once."""
-    with _database() as url:
+    with temp_database("gw_s37b") as url:
         nodes: list[ChannelServer] = []
         try:
             for i, port in enumerate(PAIR_PORTS):
@@ -261,12 +218,12 @@ def test_a_stopped_holders_gateway_refuses_from_the_first_moment_and_the_survivo
             _end(nodes)
 
 
-def test_a_holder_pauses_its_gateway_the_moment_its_session_is_lost(tmp_path: Path, replies: _Replies) -> None:
+def test_a_holder_pauses_its_gateway_the_moment_its_session_is_lost(tmp_path: Path, replies: WebhookReplies) -> None:
     """Its session ended (its role refused, its backends terminated), a holder's webhook is 503 with
     Retry-After from NOTICED_WITHIN_S on; the cut healed inside the grace, it takes messages again
     itself. Round after round (the word's old tick fell anywhere in its half second), and every
     message accepted, during the cut or sent again after it, is answered once."""
-    with _database() as url, _own_role(url) as role:
+    with temp_database("gw_s37b") as url, _own_role(url) as role:
         nodes: list[ChannelServer] = []
         try:
             node = _server(tmp_path / "home", url.replace("postgres@", f"{role}@", 1), CUT_PORT, replies, SLOW)
@@ -306,11 +263,13 @@ def test_a_holder_pauses_its_gateway_the_moment_its_session_is_lost(tmp_path: Pa
             _end(nodes)
 
 
-def test_a_short_stop_refuses_at_once_and_the_same_holder_answers_the_retry(tmp_path: Path, replies: _Replies) -> None:
+def test_a_short_stop_refuses_at_once_and_the_same_holder_answers_the_retry(
+    tmp_path: Path, replies: WebhookReplies
+) -> None:
     """A stop shorter than the fence: a POST during it is 503 at once (not a 202 its server could
     not submit meanwhile); once it runs again the same server takes the POST sent again and
     answers it, once."""
-    with _database() as url:
+    with temp_database("gw_s37b") as url:
         nodes: list[ChannelServer] = []
         try:
             timings = {"APPSERVER_STORE__HEARTBEAT_S": "0.5", "APPSERVER_STORE__INSTANCE_TIMEOUT_S": "10"}

@@ -14,17 +14,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import psycopg
 import pytest
 
-from tests.support.gateway import ChannelServer
-from tests.support.pg import ADMIN_URL, require_postgres, url_for
+from tests.support.gateway import ChannelServer, WebhookReplies
+from tests.support.pg import temp_database
 from tests.test_gateway_cluster_s37b import (
     STOP,
     _accepted,
@@ -33,7 +30,6 @@ from tests.test_gateway_cluster_s37b import (
     _end,
     _holder_pid,
     _post,
-    _Replies,
     _server,
     _wait,
 )
@@ -44,32 +40,20 @@ PAIR_PORTS = (22470, 22471)  # this file's port range: 22470-22479
 POST_FOR_S = 2.0  # POSTs to the stopping holder's listener for this long after the SIGTERM
 
 
-@contextmanager
-def _database() -> Iterator[str]:
-    """A database of this test's own (fx_i_*), dropped at the end."""
-    require_postgres()
-    name = f"fx_i_s37i_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as c:
-        c.execute(f"CREATE DATABASE {name}")
-    try:
-        yield url_for(name)
-    finally:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as c:
-            c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
 @pytest.fixture
-def replies() -> Iterator[_Replies]:
-    receiver = _Replies()
+def replies() -> Iterator[WebhookReplies]:
+    receiver = WebhookReplies()
     yield receiver
     receiver.close()
 
 
-def test_a_holder_stopped_with_sigterm_acknowledges_only_what_gets_answered(tmp_path: Path, replies: _Replies) -> None:
+def test_a_holder_stopped_with_sigterm_acknowledges_only_what_gets_answered(
+    tmp_path: Path, replies: WebhookReplies
+) -> None:
     """SIGTERM to the holder while POSTing to its listener: every 202 is answered exactly once (by
     either server), every refusal is a 503 with Retry-After (or the listener is gone), and the
     refused ones, sent again to the other server, are answered once too."""
-    with _database() as url:
+    with temp_database("gw_s37i") as url:
         nodes: list[ChannelServer] = []
         try:
             for i, port in enumerate(PAIR_PORTS):

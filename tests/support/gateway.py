@@ -7,11 +7,13 @@ chatty gateway never blocks on a full pipe.
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -294,3 +296,39 @@ async def end_pending_turn(srv: ChannelServer, agent: str, how: str) -> None:
             await asyncio.sleep(0.05)
     finally:
         await client.close()
+
+
+class WebhookReplies:
+    """A receiver of the webhook channel's replies (`reply_url`), on an ephemeral port."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        lock = threading.Lock()
+        bodies = self.bodies
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the http.server name
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                with lock:
+                    bodies.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/r"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def texts_for(self, message_id: str) -> list[str]:
+        return [str(b.get("text")) for b in list(self.bodies) if b.get("reply_to") == message_id]
+
+    def reply_ids(self, message_id: str) -> set[str]:
+        """The ids of the replies to `message_id` (a reply sent again keeps its id)."""
+        return {str(b.get("id")) for b in list(self.bodies) if b.get("reply_to") == message_id}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

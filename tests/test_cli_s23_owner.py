@@ -164,9 +164,18 @@ def test_ctrl_c_cancels_the_in_process_turn_and_exits_130(tmp_path: Path) -> Non
 def test_a_second_signal_while_the_run_ends_changes_nothing(tmp_path: Path) -> None:
     """A service stop and a Ctrl-C at once (SIGTERM, then SIGINT at once): the SIGINT landed while the
     in-process server closed, raised KeyboardInterrupt there, and the run said "no turn was started"
-    with its turn left `running` (found by an outside test). The first signal decides; the turn is
-    settled."""
+    with its turn left `running` (found by an outside test). The first signal the process sees
+    decides, and the turn is settled as that signal says.
+
+    Which one it sees first is the kernel's choice when both are pending before the process runs (a
+    loaded machine, a 2 ms gap): standard signals are not queued in order, and the lower number
+    (SIGINT) is delivered first. So either outcome may come, but only as a whole: the exit status,
+    the line and the turn's status name the same signal (CI found SIGINT first once)."""
     home = tmp_path / "home"
+    outcomes = {
+        143: ("error: interrupted by SIGTERM: the turn was interrupted", "interrupted"),
+        130: ("error: interrupted by SIGINT: the turn was cancelled", "cancelled"),
+    }
     for gap in (0.002, 0.005, 0.01, 0.02):
         proc = _start_run(home, "--conversation", "new", "/slow 100000")
         wait_for(lambda: "running" in _turn_statuses(home) if (home / "appserver.db").exists() else False, 20, "a turn")
@@ -174,9 +183,10 @@ def test_a_second_signal_while_the_run_ends_changes_nothing(tmp_path: Path) -> N
         time.sleep(gap)  # the SIGINT lands while the first one is acted on, or while the server closes
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
-        assert proc.returncode == 143, (out, err)
-        assert err.strip() == "error: interrupted by SIGTERM: the turn was interrupted", err
-        assert _turn_statuses(home)[-1] == "interrupted"
+        assert proc.returncode in outcomes, (out, err)
+        line, status = outcomes[proc.returncode]
+        assert err.strip() == line, err
+        assert _turn_statuses(home)[-1] == status
 
 
 def test_ctrl_c_through_a_server_cancels_the_turn_there(tmp_path: Path) -> None:

@@ -208,8 +208,8 @@ def test_timeout_and_empty_conversation_read_the_same_with_or_without_a_server(t
         return [
             (r.code, r.err)
             for r in (
-                # 3 s: the welcome is awaited within --timeout too, and a loaded machine took over 1 s
-                run_cli(home, "run", "--timeout", "3", "--conversation", "new", "/slow 100000"),
+                # 6 s: the welcome is awaited within --timeout too, and a loaded machine took over 3 s
+                run_cli(home, "run", "--timeout", "6", "--conversation", "new", "/slow 100000"),
                 run_cli(home, "run", "--conversation", "", "hi"),
                 run_cli(home, "run", "--conversation", "  ", "hi"),
             )
@@ -219,7 +219,7 @@ def test_timeout_and_empty_conversation_read_the_same_with_or_without_a_server(t
     with serving(home):
         through = both()
     assert in_process == through, (in_process, through)
-    assert in_process[0] == (1, "error: the turn did not settle within 3 s\n")
+    assert in_process[0] == (1, "error: the turn did not settle within 6 s\n")
     assert in_process[1] == (2, "error: --conversation is empty: give new, default or a conversation id\n")
 
 

@@ -123,7 +123,10 @@ def server_calls_made(work: TurnWork) -> int:
     """The calls of the server's tools the model asked for in the request's part of the turn: its
     steps in every segment (those of earlier segments are in the history: a turn's messages end
     it), after the step whose calls the request answered when it resumed the turn (ANSWERED_AT:
-    the options, the cap among them, are that request's; OpenAI counts it per response)."""
+    the options, the cap among them, are that request's; OpenAI counts it per response). A call
+    counts once, to the response whose step asked for it: an approved call was counted by the
+    response that asked for the approval (its cap let it be asked), not again by the one that
+    approves it and runs it (docs/openai.md, max_tool_calls)."""
     since = work.options.get(ANSWERED_AT)
     made = 0
     for m in reversed([*work.history, *work.new_messages]):
@@ -182,8 +185,10 @@ def model_call_params(providers: ProviderRegistry, agent: AgentRecord, options: 
 
 def choice_without_withheld(choice: Any, offered: set[str]) -> Any:
     """A tool choice for a model call offered only `offered` (the server's tools withheld past
-    max_tool_calls): one naming or requiring a tool no longer offered is `auto` (none when no
-    tool is offered), never a choice the provider refuses."""
+    max_tool_calls), never one the provider refuses. A choice that names tools (a function, an
+    `mcp` one, allowed_tools) still restricts the call to them: with none of them offered any
+    more, it is an allowed_tools choice of no tools (`build_request` then offers none), never
+    `auto` over the tools the client left out of it. None when no tool is offered."""
     if choice in (None, "none", "auto"):
         return choice
     if not offered:
@@ -196,7 +201,7 @@ def choice_without_withheld(choice: Any, offered: set[str]) -> Any:
             else [choice.get("name") or (choice.get("function") or {}).get("name")]
         )
         if not any(n in offered for n in names):
-            return "auto"
+            return {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}
     return choice
 
 

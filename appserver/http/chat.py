@@ -1219,8 +1219,11 @@ class ChatCompletions:
                 header = request.headers.get(HEADER)
                 # Placing the input reads (and may write) the store, which may keep it waiting
                 # (a lock): a credential revoked meanwhile ends the request (401) there. A keyed
-                # repeat of a turn that answered nothing re-runs it where it ran (`by_rerun`).
-                rerun = rerun_unnamed(key, header, answers)
+                # repeat of a turn that answered nothing re-runs it where it ran (`by_rerun`), one
+                # answering calls too; legacy `function` results, which name no call, are placed
+                # as ever (only a transcript's round tells which calls they answer).
+                legacy_answers = any(legacy_name(d.call_id) is not None for d in given)
+                rerun = None if legacy_answers else rerun_unnamed(key, header)
                 if rerun is not None:
                     place = await until_credential_ends(request, self.matcher.by_rerun(agent, ns, rerun))
                 if place is not None:

@@ -504,12 +504,15 @@ class TurnKey(tuple[str, str]):
         return made
 
 
-def rerun_unnamed(key: TurnKey | None, named: str | None, answers: object | None = None) -> str | None:
+def rerun_unnamed(key: TurnKey | None, named: str | None) -> str | None:
     """The turn a keyed repeat re-runs (`TurnKey.rerun`) when it names no conversation (`named`:
-    its `X-Conversation-Id` or `conversation`, None or `new`) and brings new input (no `answers`:
-    answered calls resume their turn, `rerun_answers`): it goes to that turn's conversation
-    (`ConversationMatcher.by_rerun`). None for any other request, which is placed as ever."""
-    if key is None or key.rerun is None or answers is not None:
+    its `X-Conversation-Id` or `conversation`, None or `new`): it goes to that turn's conversation
+    (`ConversationMatcher.by_rerun`), new input and answers alike. A request whose answers resumed
+    a turn has its key filed under that turn (`keep_answers_key`): its repeat re-runs it there
+    (`rerun_answers`), the answers held once, instead of answering them again in a fork (the
+    cut-off reply after them no longer matches the transcript or previous response). None for
+    any other request, which is placed as ever."""
+    if key is None or key.rerun is None:
         return None
     if named is not None and named.strip() and named.strip().lower() != "new":
         return None
@@ -1283,8 +1286,8 @@ async def accepted(server: Server, submit: Awaitable[Submission], request: Reque
 async def rerun_answers(
     server: Server, new_turn: SubmitRequest, decisions: list[Decision], request: Request | None
 ) -> TurnRun | None:
-    """A keyed repeat of a request whose tool results resumed a paused turn (`keep_answers_key`)
-    that then answered nothing (a stop, a crash, a failure, the client leaving: `TurnKey.rerun`,
+    """A keyed repeat of a request whose tool results (or approval answers) resumed a paused turn
+    (`keep_answers_key`) that then answered nothing (a stop, a crash, a failure, the client leaving: `TurnKey.rerun`,
     here `new_turn.rerun_of`): the results in the history are this request's own (the same key,
     the same body, each stored as given), not another request's. So the resumption runs again, as
     a new turn (`new_turn`: the request's) re-running that turn's input (`Kernel._rerun`,
@@ -1300,9 +1303,9 @@ async def rerun_answers(
     wrote = wrote if isinstance(wrote, str) else earlier.id  # the turn whose input it ran
     for d in decisions:
         p = await store.get_pending(conversation_id, d.call_id)
-        given = ("result", d.output or "", d.is_error)
-        if d.action != "result" or p is None or (p.status, p.output or "", p.is_error) != given:
+        if not answered_as_given(p, d):
             return None  # not these answers, stored as given
+        assert p is not None
         asked = earlier if p.turn_id == earlier.id else await store.get_turn(p.turn_id)
         if asked is None or wrote not in (asked.id, asked.input.get("rerun_of")):
             return None  # a call of another input's turn
@@ -1317,6 +1320,17 @@ async def rerun_answers(
         return await accepted(server, server.kernel.submit(again), request)
     except NotAwaiting:  # not re-runnable after all (`Kernel._rerun`): refused as ever
         return None
+
+
+def answered_as_given(p: PendingCall | None, d: Decision) -> bool:
+    """Call `p` holds answer `d` as that answer left it: a client tool's result (and its error
+    flag) as given, an approval's approve or deny (the approved call ran then: its result is in
+    the history, which a re-run keeps, never runs it again)."""
+    if p is None:
+        return False
+    if d.action == "result":
+        return (p.status, p.output or "", p.is_error) == ("result", d.output or "", d.is_error)
+    return p.kind == "approval" and repeats_answer(p, d)
 
 
 def until_credential_ends(request: Request, work: Awaitable[T]) -> Awaitable[T]:

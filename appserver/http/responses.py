@@ -1276,8 +1276,11 @@ def response_options(body: dict[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = number_options(body, ("max_output_tokens",))
     if isinstance(body.get("parallel_tool_calls"), bool):
         opts["parallel_tool_calls"] = body["parallel_tool_calls"]
-    if isinstance(body.get("max_tool_calls"), int) and not isinstance(body["max_tool_calls"], bool):
-        opts[MAX_TOOL_CALLS] = body["max_tool_calls"]  # the server's tool calls its turn may process
+    # the server's tool calls its turn may process: the integer the type check took and the Response
+    # echoes (1.0 and 1e0 are JSON Schema integers), never only an exact `int`
+    cap = fields.integer(body.get("max_tool_calls"), "max_tool_calls", low=0)
+    if cap is not None:
+        opts[MAX_TOOL_CALLS] = cap
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
         opts["reasoning_effort"] = reasoning["effort"]
@@ -1979,7 +1982,7 @@ class Responses:
             else:
                 seat.take(options, answering=not users)  # past the cap: 429 before anything is written
                 # a keyed repeat of a turn that answered nothing, naming no conversation: re-run where it ran
-                rerun = None if conv_param else rerun_unnamed(key, request.headers.get(HEADER), answers)
+                rerun = None if conv_param else rerun_unnamed(key, request.headers.get(HEADER))
                 place = await until_credential_ends(  # a credential revoked while the store keeps it waiting: 401
                     request,
                     self._place(

@@ -95,6 +95,11 @@ PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
 # UTF-8 decoder never yields (its surrogateescape gives only U+DC80-U+DCFF), so never a key.
 _ESC_TIMED_OUT = "\ud800"  # the read before ended in ESC, and this one came too late to continue it
 _QUIET = "\ud801"  # this read came `PASTE_QUIET` seconds or more after the one before it
+# Runs of keys `LineEditor.take` applies at once (one write to echo them, not one per character):
+# inside a paste, everything up to the next ESC or read mark; typed, text up to the next control.
+_PASTE_RUN = re.compile(f"[^\x1b{_ESC_TIMED_OUT}{_QUIET}]+")
+_PASTE_DROPPED = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # controls of a paste (not tab, nor LF)
+_TYPED_RUN = re.compile(f"[^\x00-\x08\x0a-\x1f\x7f-\x9f{_ESC_TIMED_OUT}{_QUIET}]+")
 SUBMIT_TIMEOUT = 30.0  # seconds a line waits for the server's ack before it is reported unconfirmed
 CLOSE_WAIT = 1.0  # seconds the connection's closing handshake may take when chat leaves
 STOP_GRACE = 0.5  # seconds a session has to end after SIGTERM/SIGHUP before its wait is cancelled
@@ -275,6 +280,7 @@ class LineEditor:
         self.visible = False
         self._decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
         self._pending = ""
+        self._at = 0  # where `take` is in `_pending` (consumed by index: a paste can be megabytes)
         self._esc = ""
         self._esc_read_at: float | None = None  # when a read that ended in ESC came (a terminal)
         self._esc_alone = False  # `_esc` began with an ESC whose wait timed out: the paste start, or the Escape key
@@ -300,12 +306,16 @@ class LineEditor:
                 text = _ESC_TIMED_OUT + text  # the last read's ESC may be the Escape key alone (`take`)
             self._esc_read_at = now if text.endswith("\x1b") else None
             self._read_at = now
-        self._pending += text
+        self._queue(text)
 
     def end(self) -> None:
         """The input ended: an unfinished last line still counts (`take`), then end-of-file."""
-        self._pending += self._decoder.decode(b"", final=True)
+        self._queue(self._decoder.decode(b"", final=True))
         self._ended = True
+
+    def _queue(self, text: str) -> None:
+        """Keys after those pending (what `take` applied already is let go)."""
+        self._pending, self._at = self._pending[self._at :] + text, 0
 
     @property
     def text(self) -> str:
@@ -358,8 +368,11 @@ class LineEditor:
     def take(self) -> tuple[str, str] | None:
         """Apply pending keys up to the next finished line (`("line", text)`, `("pasted", text)`
         when it holds pasted text) or `("eof", "")`."""
-        while self._pending:
-            ch, self._pending = self._pending[0], self._pending[1:]
+        while self._at < len(self._pending):
+            if not self._esc and self._take_run():
+                continue
+            ch = self._pending[self._at]
+            self._at += 1
             if ch == _ESC_TIMED_OUT:
                 # an ESC alone ending the read before, too long ago: the Escape key, unless a paste
                 # is open (the rest of its end marker is still to come) or the paste start follows
@@ -374,7 +387,7 @@ class LineEditor:
             if self._esc:
                 if self._esc_alone and not PASTE_START.startswith(self._esc + ch):
                     # it was the Escape key: what followed it is typed (this character too)
-                    self._pending = self._esc[1:] + ch + self._pending
+                    self._pending, self._at = self._esc[1:] + ch + self._pending[self._at :], 0
                     self._esc, self._esc_alone, self._last = "", False, last
                     continue
                 if not " " <= ch <= "~":
@@ -430,6 +443,7 @@ class LineEditor:
             elif ch == "\r" or is_text(ch):  # (a CR here is from a pipe: text, unless LF follows)
                 self.buf.append(ch)
                 self._show(" " if ch == "\t" else ch)
+        self._pending, self._at = "", 0
         if self._ended and not self._eof_said:
             self._esc, self._esc_alone = "", False
             if self.buf:  # an unfinished last line (a CR at its end is text: no LF follows it)
@@ -437,6 +451,31 @@ class LineEditor:
             self._eof_said = True
             return ("eof", "")
         return None
+
+    def _take_run(self) -> bool:
+        """Apply the run of keys at `_at` that `take` would apply one by one to the same effect, if
+        one is there (no escape sequence open): a paste's text up to its next ESC, or typed text up
+        to the next control, echoed with one write (a write and a flush per character made a
+        megabyte's paste take 15 s)."""
+        run = (_PASTE_RUN if self._paste else _TYPED_RUN).match(self._pending, self._at)
+        if run is None:
+            return False
+        self._at = run.end()
+        text, last = run.group(), self._last
+        self._last = text[-1]
+        if not self._paste:  # typed: text only (a CR from a pipe, NUL, line ends go one by one)
+            self.buf.extend(text)
+            self._show(text.replace("\t", " "))
+        elif not self._drop:  # (the rest of a paste dropped at Ctrl-C: nothing)
+            self._pasted = True
+            self._take_pasted(text[1:] if last == "\r" and text[0] == "\n" else text)
+        return True
+
+    def _take_pasted(self, text: str) -> None:
+        """Pasted text: its line ends (CR, LF, CRLF) as newlines, its controls dropped (tab kept)."""
+        text = _PASTE_DROPPED.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+        self.buf.extend(text)
+        self._show(text.replace("\t", " "))
 
     def _rub(self, count: int) -> None:
         """Remove the last `count` characters, and what they took on screen."""

@@ -253,6 +253,9 @@ def render(
 
 
 IDEMPOTENCY_KEY_MAX = 256  # as the protocol takes it (ws/frames.py SubmitInput)
+# Who answered an approval with `--approve`/`--deny`, in-process and through a server alike (the
+# client name a server records as `decided_by`): the model reads "denied … by appserver-run".
+RUN_CLIENT = "appserver-run"
 
 
 @click.command("run")
@@ -303,6 +306,8 @@ def run_command(
         fail("--reason goes with --deny CALL_ID (it is the reason the call was denied)", 2)
     if not conversation.strip():  # in-process it ran in `default`; a server refused it in pydantic's words
         fail("--conversation is empty: give new, default or a conversation id", 2)
+    if answering and conversation.strip().lower() == "new":  # said alike in-process and through a server
+        fail("'new' is not an existing conversation: --approve/--deny answer a waiting turn (give its conversation)", 2)
     if idempotency_key is not None:
         # as the server takes it over the protocol (`submit_input.idempotency_key`), also in-process
         if not idempotency_key or len(idempotency_key) > IDEMPOTENCY_KEY_MAX:
@@ -366,8 +371,8 @@ def run_command(
             handle = await s.kernel.handle_for(turn)
             running.append((conv.id, turn.id))
             before = handle.controller.revision
-            decisions = [Decision(c, "approve", decided_by="cli") for c in approve]
-            decisions += [Decision(c, "deny", reason=reason, decided_by="cli") for c in deny]
+            decisions = [Decision(c, "approve", decided_by=RUN_CLIENT) for c in approve]
+            decisions += [Decision(c, "deny", reason=reason, decided_by=RUN_CLIENT) for c in deny]
             results = await s.kernel.respond(conv.id, decisions)
             refused = [r for r in results if not r["accepted"]]
             if refused:
@@ -727,7 +732,7 @@ def run_remote(
             url,
             home,
             token=token,
-            client="appserver-run",
+            client=RUN_CLIENT,
             open_timeout=min(OPEN_TIMEOUT_S, timeout),  # a short --timeout bounds the wait for the welcome too
             reconnect=reconnect_wait > 0,
             reconnect_s=reconnect_wait,

@@ -338,6 +338,10 @@ class CronTask:
     # The credential namespace of whoever created it through the `schedule` tool (None: unowned,
     # e.g. the CLI): task names are unique per agent and namespace, never across namespaces.
     namespace: str | None = None
+    # The chat a task the `schedule` tool made from a channel came from (`ORIGIN_KEYS`: channel,
+    # account, chat, thread when in one, sender when known), as the gateway submitted the turn that
+    # made it: `cron list`/`show` name it, and `pairing revoke` of that sender disables the task.
+    origin: dict[str, str] | None = None
 
     @property
     def state(self) -> str:
@@ -374,6 +378,7 @@ class CronTask:
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
             **({"namespace": self.namespace} if self.namespace is not None else {}),
+            **({"origin": dict(self.origin)} if self.origin is not None else {}),
         }
 
     @classmethod
@@ -430,6 +435,7 @@ class CronTask:
             raise ValueError(f"task {tid}: deliver must be a string or null")
         try:  # a hand edit the gateway would refuse at every run: kept as invalid, reported
             deliver = validate_deliver(deliver)
+            origin = validate_origin(d.get("origin"))
         except ScheduleError as exc:
             raise ValueError(f"task {tid}: {exc}") from None
         return cls(
@@ -453,7 +459,14 @@ class CronTask:
             last_error_at=_dt(d.get("last_error_at"), "last_error_at"),
             updated_at=_dt(d.get("updated_at"), "updated_at"),
             namespace=ns,
+            origin=origin,
         )
+
+    def made_by(self, channel: str, account: str, sender: str) -> bool:
+        """Whether the `schedule` tool made this task at `sender`'s request in a chat of
+        `channel:account` (its `origin`): what `pairing revoke` of that sender disables."""
+        o = self.origin or {}
+        return (o.get("channel"), o.get("account"), o.get("sender")) == (channel, account, sender)
 
     def set_error(self, message: str, now: datetime) -> None:
         """Record a visible failure, kept to MAX_ERROR_CHARS on one line (control characters, which
@@ -1402,6 +1415,31 @@ class CronStore:
                     )
         return task
 
+    def disable_where(
+        self,
+        wanted: Callable[[CronTask], bool],
+        *,
+        now: datetime | None = None,
+        scheduler_alive: Callable[[OwnerRecord], bool] | None = None,
+    ) -> list[CronTask]:
+        """Disable, in one write, every enabled task `wanted` picks, each as `set_enabled(False)`
+        does (kept; its runs waiting for a scheduler that stopped cancelled): the tasks disabled.
+        One transaction, so a task made or removed meanwhile is either seen whole or not at all;
+        nothing is written when none is picked. `pairing revoke` stops a sender's tasks with it."""
+        now = now or utcnow()
+        with self.lock():
+            state = self.load()
+            picked = [t for t in state.tasks if t.enabled and wanted(t)]
+            if not picked:
+                self.keep(state)
+                return []
+            for task in picked:
+                task.enabled = False
+                task.updated_at = now
+                self._cancel_waiting_runs(state, task, NOT_STARTED_DISABLED, scheduler_alive, now)
+            self.save(state, user_edit=True)
+        return picked
+
     def list(self, agent: str | None = None) -> list[CronTask]:
         return [t for t in self.read().tasks if agent is None or t.agent == agent]
 
@@ -1654,6 +1692,35 @@ def validate_deliver(target: str | None) -> str | None:
     return target
 
 
+# What a task's `origin` may hold (`CronTask.origin`): channel, account and chat always, thread and
+# sender when known; each a platform's id, at most ORIGIN_PART_MAX characters.
+ORIGIN_KEYS = ("channel", "account", "chat", "thread", "sender")
+ORIGIN_REQUIRED = ("channel", "account", "chat")
+ORIGIN_PART_MAX = 512
+
+
+def validate_origin(origin: Any) -> dict[str, str] | None:
+    """A task's `origin` (None: not made from a chat), checked as a hand edit may have left it
+    (ScheduleError): an object of ORIGIN_KEYS, channel, account and chat present, every value
+    non-empty text of at most ORIGIN_PART_MAX characters without a control character."""
+    if origin is None:
+        return None
+    if not isinstance(origin, dict):
+        raise ScheduleError("origin must be an object or null")
+    unknown = sorted(str(k)[:40] for k in origin if k not in ORIGIN_KEYS)
+    if unknown:
+        raise ScheduleError(f"origin has unknown field(s) {', '.join(map(repr, unknown[:3]))}")
+    missing = [k for k in ORIGIN_REQUIRED if k not in origin]
+    if missing:
+        raise ScheduleError(f"origin lacks {', '.join(missing)}")
+    for key, value in origin.items():
+        if not isinstance(value, str) or not value or len(value) > ORIGIN_PART_MAX:
+            raise ScheduleError(f"origin.{key} must be text of 1 to {ORIGIN_PART_MAX} characters")
+        if any(_unfit_char(c) for c in value):
+            raise ScheduleError(f"origin.{key} holds a control character or a lone surrogate")
+    return {k: origin[k] for k in ORIGIN_KEYS if k in origin}
+
+
 def _unfit_char(c: str) -> bool:
     return unicodedata.category(c) in ("Cc", "Cs")
 
@@ -1688,6 +1755,7 @@ def make_task(
     enabled: bool = True,
     task_id: str | None = None,
     namespace: str | None = None,
+    origin: dict[str, str] | None = None,
 ) -> CronTask:
     """Validate everything `add` must refuse (ScheduleError, nothing written) and compute the first
     fire time."""
@@ -1719,4 +1787,5 @@ def make_task(
         next_due_at=due_time(schedule, first, task_id=tid, created_at=now, exact=exact),
         updated_at=now,
         namespace=namespace,
+        origin=validate_origin(origin),
     )

@@ -17,6 +17,18 @@ the conversation's (`CronStore.add(per_conversation=True)`), so one chat neither
 crowds out another's. Without credentials (auth mode `none`) the gateway is unowned like every
 caller, and a chat's conversation is the one it opened for a route (`channel_route` metadata).
 
+A task made from a chat posts each run's final reply to that chat (its `deliver` target, as
+`cron add --deliver` does: the gateway sends it), since whoever asked "remind me at 5" there waits
+for it there; the model may ask for `deliver: "none"` (the reply only stays in the conversation),
+and for no other chat. The task also records where it came from (`origin`: channel, account, chat,
+thread, and the sender who asked), read from the turn's `source` as the gateway submitted it (a run
+of a chat's task passes its own task's origin on), or, with no sender, from the route the gateway
+opened the conversation for: `appserver cron list`/`show` name it, and `appserver pairing revoke`
+of that sender disables the sender's tasks. Elsewhere a task delivers nowhere: a channel target is
+the operator's to set (`cron add --deliver`). A chat lists and cancels, besides its conversation's
+tasks, those made from that very chat (and thread) in a conversation it left with `/new`: they
+still post to it.
+
 Task names are scoped the same way: a task remembers the namespace it was created in, names are
 unique per agent and namespace (`CronStore.add`), and cancel finds a name only among the caller's
 visible tasks, so a caller can neither see nor collide with another agent's or namespace's names.
@@ -49,6 +61,7 @@ from appserver.store.base import Store
 from cron.lease import LeaseHolder
 from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron, parse_duration, shown_expr
 from cron.store import (
+    ORIGIN_KEYS,
     UNOWNED_TOOL_NAMESPACE,
     CronNotFound,
     CronRefused,
@@ -59,6 +72,8 @@ from cron.store import (
     CronTasksTooLarge,
     make_task,
     utcnow,
+    validate_deliver,
+    validate_origin,
 )
 from cron.stores import cron_store_for
 
@@ -109,6 +124,89 @@ async def _caller(store: Store, ctx: ToolContext) -> tuple[str | None, bool]:
     return conv.namespace, _is_gateway(conv.namespace) or CHAT_ROUTE_KEY in conv.metadata
 
 
+# A route key's thread part for a chat's main line (gateway/routing.py `ROOT`): no thread.
+_ROUTE_ROOT = "__root__"
+# The `deliver` words the tool takes besides a target: the default (the chat asked from), none.
+DELIVER_TO_CHAT = "chat"
+DELIVER_NOWHERE = "none"
+
+
+async def _chat_origin(store: Store, crons: CronStore, ctx: ToolContext) -> dict[str, str] | None:
+    """The chat (and sender) a task made in a chat's conversation comes from: the turn's `source`
+    as the gateway submitted it (kind `channel`); in a run of a task made from a chat, that task's
+    origin (a task it makes is its sender's too); else the route the gateway opened the
+    conversation for (`channel_route`: the chat, no sender). None when none says. A gateway
+    source whose ids cannot be recorded refuses the task (ScheduleError): made without its
+    sender, a `pairing revoke` of that sender would not stop it."""
+    turn = await store.get_turn(ctx.turn_id)
+    source = turn.source if turn is not None and isinstance(turn.source, dict) else {}
+    if source.get("kind") == "channel":
+        found = {k: source[k] for k in ORIGIN_KEYS if isinstance(source.get(k), str) and source[k]}
+        try:
+            return validate_origin(found)
+        except ScheduleError as exc:
+            raise ScheduleError(f"this chat cannot be recorded as the task's origin: {exc}") from None
+    if source.get("kind") == "cron_prompt":
+        parent_id = source.get("cron_task_id")
+        tasks = await asyncio.to_thread(crons.list, ctx.agent.id)
+        parent = next((t for t in tasks if t.id == parent_id and t.conversation == ctx.conversation_id), None)
+        if parent is not None and parent.origin is not None:
+            return dict(parent.origin)
+    conv = await store.get_conversation(ctx.conversation_id)
+    return _route_origin(conv.metadata.get(CHAT_ROUTE_KEY) if conv is not None else None)
+
+
+def _route_origin(route: Any) -> dict[str, str] | None:
+    """The chat a `channel_route` (`channel:account:chat:thread`) names, or None."""
+    parts = route.split(":") if isinstance(route, str) else []
+    if len(parts) != 4:
+        return None
+    found = dict(zip(("channel", "account", "chat"), parts[:3], strict=True))
+    if parts[3] != _ROUTE_ROOT:
+        found["thread"] = parts[3]
+    try:
+        return validate_origin(found)
+    except ScheduleError:
+        return None
+
+
+def _chat_target(origin: dict[str, str] | None, *, thread: bool = True) -> str | None:
+    """The deliver target of the chat `origin` names (in its thread, or its main line), or None
+    when it names none the gateway could deliver to."""
+    if origin is None:
+        return None
+    where = f"{origin['channel']}:{origin['account']}:{origin['chat']}"
+    if thread and origin.get("thread"):
+        where += f":{origin['thread']}"
+    try:
+        return validate_deliver(where)
+    except ScheduleError:
+        return None
+
+
+def _chosen_deliver(asked: Any, origin: dict[str, str] | None) -> str | None:
+    """Where the task's runs post their reply: the chat it was made from by default, nowhere on
+    `none`; a target the model names only when it is that chat (its thread or its main line), as
+    a task may post to no other chat (ScheduleError)."""
+    text = str(asked or "").strip()
+    here = _chat_target(origin)
+    if text in ("", DELIVER_TO_CHAT) and (here is not None or not text):
+        return here
+    if text == DELIVER_NOWHERE:
+        return None
+    if text and text in {here, _chat_target(origin, thread=False)} - {None}:
+        return text
+    if here is None:
+        raise ScheduleError(
+            f"deliver {shown(text)} is not possible here: only a task made from a chat posts its reply, to that "
+            f"chat; omit deliver (or say {DELIVER_NOWHERE!r})"
+        )
+    raise ScheduleError(
+        f"deliver {shown(text)} is not allowed: a task made here posts its reply to this chat ({here}) or nowhere "
+        f"({DELIVER_NOWHERE!r})"
+    )
+
+
 async def _target_allowed(store: Store, ctx: ToolContext, ns: str | None, target: str, chat: bool) -> bool:
     if target == ctx.conversation_id:
         return True
@@ -139,20 +237,48 @@ async def _create_target_problem(store: Store, ctx: ToolContext, ns: str | None,
     return None
 
 
-def _visible_tasks(ns: str | None, tasks: list[CronTask], conversation: str, chat: bool) -> list[CronTask]:
+def _visible_tasks(
+    ns: str | None, tasks: list[CronTask], conversation: str, chat: bool, here: dict[str, str] | None = None
+) -> list[CronTask]:
     """The tasks this caller may list and cancel: a credential's own namespace only (whatever
     conversation they run in), except a chat (`chat`), which sees only the tasks it made in its
-    own `conversation`; an unowned caller (admin, local), which sees every namespace as it sees
-    every conversation, every task the tool made; nobody the operator's CLI tasks."""
+    own `conversation`, or made from the very chat (and thread) it is, `here` (before a `/new`:
+    they still post to it, so it must be able to stop them); an unowned caller (admin, local),
+    which sees every namespace as it sees every conversation, every task the tool made; nobody
+    the operator's CLI tasks."""
     if ns is None and not chat:
         return [t for t in tasks if t.namespace is not None]
     own = _stored_namespace(ns)
     mine = [t for t in tasks if own is not None and t.namespace == own]
-    return [t for t in mine if t.conversation == conversation] if chat else mine
+    if not chat:
+        return mine
+    return [t for t in mine if t.conversation == conversation or _same_chat(t.origin, here)]
+
+
+def _same_chat(origin: dict[str, str] | None, here: dict[str, str] | None) -> bool:
+    """Whether a task's `origin` is the chat (and thread) `here` is."""
+    keys = ("channel", "account", "chat", "thread")
+    return origin is not None and here is not None and all(origin.get(k) == here.get(k) for k in keys)
+
+
+async def _chat_here(conversations: Store, crons: CronStore, ctx: ToolContext, chat: bool) -> dict[str, str] | None:
+    """The chat a list or cancel is asked from (`_chat_origin`), None when not a chat's or not known."""
+    if not chat:
+        return None
+    try:
+        return await _chat_origin(conversations, crons, ctx)
+    except ScheduleError:
+        return None
 
 
 def _create(
-    store: CronStore, args: dict[str, Any], ctx: ToolContext, conversation: str, ns: str | None, chat: bool
+    store: CronStore,
+    args: dict[str, Any],
+    ctx: ToolContext,
+    conversation: str,
+    ns: str | None,
+    chat: bool,
+    origin: dict[str, str] | None,
 ) -> str:
     given = [(k, args[k]) for k in KINDS if args.get(k)]
     if len(given) != 1:
@@ -175,6 +301,7 @@ def _create(
             f"prompt too long: {size} bytes in UTF-8, at most {TOOL_PROMPT_MAX_BYTES} "
             f"({TOOL_PROMPT_MAX_BYTES // 1024} KiB) for a task made by this tool"
         )
+    deliver = _chosen_deliver(args.get("deliver"), origin)
     task = make_task(
         name=str(args.get("name") or ""),
         agent=ctx.agent.id,
@@ -184,6 +311,8 @@ def _create(
         conversation=conversation,
         misfire=str(args.get("misfire") or "skip"),
         namespace=_stored_namespace(ns),
+        deliver=deliver,
+        origin=origin,
     )
     store.add(
         task,
@@ -193,7 +322,8 @@ def _create(
         per_conversation=chat,
     )
     when = task.next_fire_at.isoformat(timespec="minutes") if task.next_fire_at else "never"
-    return f"created task {task.name} ({task.id}); next run {when}"
+    posted = f"; each run's reply is posted to {deliver}" if deliver else ""
+    return f"created task {task.name} ({task.id}); next run {when}{posted}"
 
 
 LISTED_PROMPT_CHARS = 500  # a prompt may be 16 KiB (1 MiB, made before): a list of many would flood the context
@@ -211,6 +341,7 @@ def _list(tasks: list[CronTask]) -> str:
     return "\n".join(
         f"{t.name} ({t.id}): {t.schedule.kind} {shown_expr(t.schedule.expr)} [{t.schedule.tz}] {t.state}; "
         f"next {t.next_fire_at.isoformat(timespec='minutes') if t.next_fire_at else '-'}; "
+        f"{f'posted to {t.deliver}; ' if t.deliver else ''}"
         f"prompt: {_listed_prompt(t.prompt)}"
         for t in tasks
     )
@@ -230,13 +361,17 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
                     f"schedule create failed: {problem}; omit `conversation` to schedule into this conversation",
                     is_error=True,
                 )
-            text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns, chat)
+            origin = await _chat_origin(conversations, store, ctx) if chat else None
+            text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns, chat, origin)
         elif action == "list":
             listed = await asyncio.to_thread(store.list, ctx.agent.id)
-            text = _list(_visible_tasks(ns, listed, ctx.conversation_id, chat))
+            here = await _chat_here(conversations, store, ctx, chat)
+            text = _list(_visible_tasks(ns, listed, ctx.conversation_id, chat, here))
         elif action == "cancel":
             ref = str(args.get("name") or args.get("id") or "")
-            mine = _visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id), ctx.conversation_id, chat)
+            here = await _chat_here(conversations, store, ctx, chat)
+            listed = await asyncio.to_thread(store.list, ctx.agent.id)
+            mine = _visible_tasks(ns, listed, ctx.conversation_id, chat, here)
             found = [t for t in mine if t.id == ref] or [t for t in mine if t.name == ref]
             if not found:
                 raise CronNotFound(f"no cron task {shown(ref)}")  # another's is as if it did not exist
@@ -279,7 +414,8 @@ def schedule_tool(conversations: Store) -> Tool:
         description=(
             "Manage your own scheduled prompts. action=create with name, prompt and exactly one of "
             "cron (5-field, with tz), every (e.g. 30m), at ('YYYY-MM-DD HH:MM' in tz) or in (e.g. 2h); "
-            "action=list; action=cancel with name."
+            "action=list; action=cancel with name. A task made from a chat posts each run's reply to "
+            "that chat (deliver='none': only kept in the conversation)."
         ),
         parameters={
             "type": "object",
@@ -300,6 +436,13 @@ def schedule_tool(conversations: Store) -> Tool:
                     ),
                 },
                 "misfire": {"type": "string", "enum": ["skip", "run_once", "run_all"]},
+                "deliver": {
+                    "type": "string",
+                    "description": (
+                        "Where each run's final reply is posted: omit (or 'chat') for the chat this "
+                        "conversation is, 'none' to only keep it in the conversation."
+                    ),
+                },
             },
             "required": ["action"],
         },

@@ -24,7 +24,7 @@ import click
 
 from appserver.cli import safetext
 from appserver.cli.common import MAX_COUNT, Count, echo_long, error_line, get_config, prepare_store_schema
-from appserver.cli.safetext import exact, visible
+from appserver.cli.safetext import exact, exact_id, visible
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile, StateFileRefused
 from appserver.shown import shown
@@ -270,6 +270,32 @@ def _owner(t: CronTask) -> str:
     return "operator" if t.namespace is None else t.namespace
 
 
+def _origin_chat(t: CronTask) -> str | None:
+    """The chat a task the `schedule` tool made from a channel came from
+    (`channel:account:chat[:thread]`, shown exactly), or None."""
+    o = t.origin
+    if o is None:
+        return None
+    return exact(":".join(o[k] for k in ("channel", "account", "chat", "thread") if k in o))
+
+
+def _origin_sender(t: CronTask) -> str | None:
+    """The sender who asked for the task in a chat, as `pairing approved` shows them (and `pairing
+    revoke` takes them), or None when not known."""
+    sender = (t.origin or {}).get("sender")
+    return None if sender is None else exact_id(sender)
+
+
+def _owner_cell(t: CronTask) -> str:
+    """`cron list`'s OWNER: the namespace, and for a task made from a chat that chat and its sender
+    (the gateway's one namespace or the tool's unowned marker alone names neither)."""
+    chat = _origin_chat(t)
+    if chat is None:
+        return exact(_owner(t))
+    sender = _origin_sender(t)
+    return f"{exact(_owner(t))}, chat {chat}" + (f", sender {sender}" if sender is not None else "")
+
+
 def task_problem(t: CronTask) -> str | None:
     """Why a task crons.json holds cannot run, else None. `add` and the `schedule` tool never
     make such a task (make_task refuses it), but a hand edit or another version can: an empty
@@ -392,7 +418,13 @@ def _show_invalid(bad: InvalidTask, names: dict[str, str], as_json: bool) -> Non
 
 def _task_json(t: CronTask, names: dict[str, str] | None = None) -> dict[str, Any]:
     problem = task_problem(t)
-    out = {**t.to_dict(), "namespace": t.namespace, "owner": _owner(t), "state": _state(t, problem)}
+    out = {
+        **t.to_dict(),
+        "namespace": t.namespace,
+        "origin": t.origin,
+        "owner": _owner(t),
+        "state": _state(t, problem),
+    }
     if problem is not None:
         out["problem"] = problem
     if names and t.agent in names:
@@ -611,7 +643,7 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
                 exact(t.id),
                 exact(t.name),
                 exact(names.get(t.agent, t.agent)),
-                exact(_owner(t)),
+                _owner_cell(t),
                 exact(_schedule_text(t)),
                 _next_run(t, now),
                 _state(t, problems[t.id]),
@@ -663,6 +695,8 @@ def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
         ("name", exact(task.name)),
         ("agent", exact(agent_text)),
         ("owner", exact(_owner(task))),
+        *([("from chat", _origin_chat(task) or "-")] if task.origin is not None else []),
+        *([("from sender", _origin_sender(task) or "- (not known)")] if task.origin is not None else []),
         ("schedule", exact(_schedule_text(task))),
         ("state", _state(task, problem)),
         *([("problem", visible(problem))] if problem is not None else []),
@@ -807,6 +841,52 @@ def _say_done(cfg: Config, store: CronStore, done: str, task_id: str) -> None:
         raise _OneLineError(
             f"the server did not drop the queued run {shown_runs} within {DROP_WAIT_S:g} s: it may still start "
             f"(see appserver cron logs {task_id})"
+        )
+
+
+def disable_sender_tasks(cfg: Config, accounts: set[str], sender: str) -> tuple[list[CronTask], str | None]:
+    """`pairing revoke`'s hold on the cron tasks: disable, in one write, every task the `schedule`
+    tool made from a chat of `accounts` (`channel:account`) at `sender`'s request (its `origin`),
+    as `cron disable` does (kept, so `cron enable` resumes one; a run waiting for a scheduler that
+    stopped is cancelled). (The tasks disabled, none when the home has no tasks; why they could
+    not be, or None): a failure is said after the revoke, which stands, by
+    `say_sender_tasks_disabled`."""
+    try:
+        store = cron_store_for(cfg.home, cfg.store.url)
+        if not store.shared and not store.path.exists():
+            return [], None
+        prepare_store_schema(cfg)
+        wanted = [tuple(a.split(":", 1)) for a in accounts]
+        try:
+            picked = store.disable_where(
+                lambda t: any(t.made_by(channel, account, sender) for channel, account in wanted),
+                scheduler_alive=_scheduler_alive(store),
+            )
+        finally:
+            store.close()
+    except (CronStoreError, CorruptStateFile, StateFileRefused, OSError) as exc:
+        return [], _one_line(exc)
+    return picked, None
+
+
+def say_sender_tasks_disabled(cfg: Config, tasks: list[CronTask], sender: str, problem: str | None) -> None:
+    """Say which of `sender`'s tasks `disable_sender_tasks` disabled, each once its queued run is
+    dropped (as `cron disable` says it: `_say_done`), then why the others could not be, if so
+    (one line, exit 1: the sender's tasks then run until disabled by hand)."""
+    if tasks:
+        count = f"{len(tasks)} cron task{'s' if len(tasks) != 1 else ''}"
+        kept = "kept: appserver cron enable ID runs one again"
+        click.echo(f"Disabled {count} {exact_id(sender)} scheduled from a chat ({kept}):")
+        store = cron_store_for(cfg.home, cfg.store.url)
+        try:
+            for t in tasks:
+                _say_done(cfg, store, f"  disabled {_named(t)} from {_origin_chat(t)}", t.id)
+        finally:
+            store.close()
+    if problem is not None:
+        raise _OneLineError(
+            f"the pairing is revoked, but the cron tasks {exact_id(sender)} scheduled from a chat could not be "
+            f"disabled ({problem}): they still run; see appserver cron list, and disable them there"
         )
 
 

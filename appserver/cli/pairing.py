@@ -5,6 +5,9 @@ gateway acts on a decision within about a second (tells the sender, releases the
 and on a revoke within a tenth of a second (ends the sender's turns queued on the server), which
 `revoke` waits for, a few seconds at most (`_await_gateway`), also while the server's gateway child
 is down between restarts (the server's queue still runs): it warns when no gateway acted in time.
+`revoke` also disables the cron tasks the sender had the agent schedule from a chat of the revoked
+accounts (`appserver.cli.cron.disable_sender_tasks`: kept, and their queued runs dropped, as `cron
+disable` does), and lists them.
 """
 
 from __future__ import annotations
@@ -15,15 +18,21 @@ import sqlite3
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from appserver.cli.channels import Refused, _errors, _gateway_db, _live_channels
 from appserver.cli.common import echo_long, get_config, quoted
 from appserver.cli.safetext import exact, exact_id, typed_id, unseen
+from appserver.config import Config
 from appserver.serverinfo import read_live_server
+from appserver.store.url import store_kind
 from gateway.db import default_path, gateway_running
 from gateway.pairing import Pairing, PairingCode, PairingError
+
+if TYPE_CHECKING:
+    from cron.store import CronTask
 
 APPLIED_WAIT_S = 5.0  # how long `revoke` waits for a gateway to act on it (a restarting one included)
 APPLIED_LOOK_S = 0.02
@@ -231,6 +240,8 @@ def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
     needs a new pairing). SENDER as `pairing approved` shows it (`alice\\u200b` is alice with a
     zero-width space, `jose\\u0301` josé written as e and a combining accent; a backslash shown
     doubled) or as the id itself."""
+    disabled: list[CronTask] = []
+    problem: str | None = None
     with _pairing() as conn:
         assert conn is not None
         pairing = Pairing(conn)
@@ -240,13 +251,37 @@ def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
         removed = pairing.revoke(target, channel, account)
         alike = _look_alikes(target, pairing.revocable(channel, account))
         if removed:
+            if _may_hold_tasks():  # at once: before a run of theirs comes due
+                disabled, problem = _disable_sender_tasks(get_config(), accounts, target)
             _await_gateway(conn, target, accounts)
+            if _may_hold_tasks():  # again once the gateway acted: a turn of theirs running then may have made one
+                more, problem = _disable_sender_tasks(get_config(), accounts, target)
+                disabled += more
     if not removed:
         note = f". {_alike_note(target, alike)}" if alike else ""
         raise Refused(f"{quoted(sender)} is neither an approved nor a denied sender{note}", 1)
     click.echo(f"Revoked {exact_id(target)} ({removed} account{'s' if removed != 1 else ''}).")
     if alike:
         click.echo(_alike_note(target, alike))
+    if disabled or problem is not None:
+        from appserver.cli.cron import say_sender_tasks_disabled
+
+        say_sender_tasks_disabled(get_config(), disabled, target, problem)
+
+
+def _may_hold_tasks() -> bool:
+    """Whether the home may hold cron tasks: its store is a PostgreSQL database (which holds them),
+    or `crons.json` (cron.store `CRONS_FILE`) exists. Asked before the cron code is imported, which
+    a revoke of a home without tasks (most) need not wait for."""
+    config = get_config()
+    return store_kind(config.store.url) == "postgresql" or (config.home / "crons.json").exists()
+
+
+def _disable_sender_tasks(config: Config, accounts: set[str], sender: str) -> tuple[list[CronTask], str | None]:
+    """`appserver.cli.cron.disable_sender_tasks`, imported when a revoke has tasks to look at."""
+    from appserver.cli.cron import disable_sender_tasks as disable
+
+    return disable(config, accounts, sender)
 
 
 def _target(given: str, known: set[str]) -> str:

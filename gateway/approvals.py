@@ -5,8 +5,9 @@ arguments (literally, in a code block, long runs of padding as counts; long ones
 middle, saying so; for `shell`, the command is never cut to fit the other arguments: it is shown
 whole, or said to be too long to judge from the prompt), answered with `/approve ID` /
 `/deny ID` (or a plugin's buttons, which send the same). Only the sender who started the turn
-or an admin may answer. The prompt is updated when the call is decided here, elsewhere (CLI,
-desktop) or times out.
+or an admin may answer; for a turn no message of the chat started (a scheduled run, another
+client's turn in the chat's conversation), the DM's sender or an admin, in a group an admin
+only. The prompt is updated when the call is decided here, elsewhere (CLI, desktop) or times out.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Prompt:
     turn_id: str
     account: str  # channel:account of the chat
     target: Target
-    starter: str  # the sender whose message started the turn
+    starter: str  # the sender whose message started the turn (or may answer for none: "" is nobody)
     name: str
     arguments: str
     message_ids: list[str] = field(default_factory=list)

@@ -4,12 +4,14 @@ for the tool's description and its argument rules)."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from appserver.client import ProtocolError
-from gateway.delivery import DeliveryFailed, Outboxes, ReplySink
+from gateway.delivery import DeliveryFailed, Outbox, Outboxes, ReplySink
 from gateway.ledger import Ledger
 from gateway.link import ServerLink
+from gateway.ratelimit import REACTION
 from gateway.replies import Replies, TurnContext
 from gateway.routing import Router
 from gateway.split import DELIVER_MAX_CHARS, cap_text
@@ -18,6 +20,11 @@ from gateway.tool import ToolRefusal, parse_call, target_name
 from plugins.contract import Adapter, Target
 
 log = logging.getLogger("gateway.tool")
+
+
+class RateLimited(ToolRefusal):
+    """The platform holds this kind of call back for a while: told to the model, not a failure of
+    the channel (`channels status` counts none)."""
 
 
 class MessageChannel:
@@ -77,7 +84,7 @@ class MessageChannel:
                 await outbox.edit(where_sent, str(call.message_id), call.text)
                 result = f"edited message {call.message_id}"
             else:
-                await outbox.react(call.target, str(call.message_id), str(call.emoji))
+                await self.react(outbox, call.target, str(call.message_id), str(call.emoji))
                 result = f"reacted {call.emoji} to message {call.message_id}"
         except DeliveryFailed as exc:  # the platform refused: counted and shown in `channels status` too
             self.replies.send_failed(ctx.runner, f"message_channel {action} failed: {exc}")
@@ -87,6 +94,20 @@ class MessageChannel:
             await self.answer(call_id, str(exc), True)
             return
         await self.answer(call_id, result, False)
+
+    @staticmethod
+    async def react(outbox: Outbox, target: Target, message_id: str, emoji: str) -> None:
+        """A reaction the model asked for: one attempt, as the gateway's own 👀 (`best_effort`), so a
+        platform's "wait" answer (up to 300 s) fails the call at once instead of holding the turn,
+        and with it the chat's next message, while the limiter keeps sends and edits going. A rate
+        limit is told as one, with how long reactions there are held back, so the model can retry."""
+        try:
+            await outbox.react(target, message_id, emoji, best_effort=True)
+        except DeliveryFailed as exc:
+            wait = outbox.limiter.blocked_for(target.chat, REACTION)
+            if wait > 0:
+                raise RateLimited(f"not reacted: rate limited, retry after {math.ceil(wait)} s") from exc
+            raise DeliveryFailed(f"not reacted: {exc}") from exc
 
     async def allowed(self, ctx: TurnContext, adapter: Adapter, target: Target) -> bool:
         """Whether the model may send to `target`: this turn's own chat and thread, or a reachable chat
@@ -106,12 +127,13 @@ class MessageChannel:
         return check is None or bool(await check(target.chat, target.thread))
 
     def reachable(self, channel: str, account: str, chat: str) -> bool:
-        """A chat the account can send to on the model's behalf: one it has heard from, or one an
-        operator routed (so the agent cannot message arbitrary chats it was never part of)."""
-        heard = self.ledger.connection.execute(
-            "SELECT 1 FROM ledger WHERE channel=? AND account=? AND chat=? LIMIT 1", (channel, account, chat)
-        ).fetchone()
-        return heard is not None or bool([r for r in self.router.routes(channel, account) if r.key.chat == chat])
+        """A chat the account can send to on the model's behalf: one access let a message in from,
+        or one an operator routed (so the agent cannot message arbitrary chats it was never part of).
+        A chat whose every message was refused (a stranger under `allowlist`, silent or not) is not:
+        writing to the bot once must not make a chat somewhere a prompt-injected agent can post."""
+        if self.ledger.last_admitted(channel, account, chat) is not None:
+            return True
+        return any(r.key.chat == chat for r in self.router.routes(channel, account))
 
     async def answer(self, call_id: str, output: str, is_error: bool) -> None:
         try:

@@ -67,6 +67,9 @@ ANNOUNCE_WAIT_S = 45.0
 FAILURE_SHOWN = 200  # characters of the reason a prompt could not be posted, in the notice saying so
 REFUSE_EVERY_S = 60.0  # a person pressing someone else's button again and again is refused once a minute
 NOT_YOURS = "Only the person who started this, or an admin, can answer it."
+# A prompt of a turn no message of a group started (a scheduled run, another client's turn): the
+# gateway cannot tell who in the group asked for it.
+ONLY_ADMINS = "No message here started this, so only an admin of this bot can answer it."
 # To a starter whose access was taken away (a revoked pairing, removed from `allow`) answering their
 # own prompt, and to anyone whose command was allowed before that and is handled after it.
 NOT_LET_IN = "You are no longer allowed to use this bot."
@@ -387,7 +390,9 @@ class ChatOps:
         if self._refused.get(asked):
             return ""
         self._refused.put(asked, True)
-        return NOT_LET_IN_ANSWER if entry.sender == prompt.starter and not self.lets_in(entry, runner) else NOT_YOURS
+        if entry.sender == prompt.starter and not self.lets_in(entry, runner):
+            return NOT_LET_IN_ANSWER
+        return NOT_YOURS if prompt.starter else ONLY_ADMINS
 
     def lets_in(self, entry: Entry, runner: AccountRunner) -> bool:
         """Whether the account's access lets `entry`'s sender in *now* (listed, paired, an admin, or
@@ -554,8 +559,23 @@ class ChatOps:
         return f"{said} {_dropped_line(dropped)}".strip() if dropped else said
 
     def _may_cancel(self, entry: Entry, runner: AccountRunner, turn_id: str) -> bool:
-        """Whether `entry`'s sender may cancel `turn_id`: the person who started it, or an admin."""
-        return self.replies.starter_of(turn_id) == entry.sender or runner.policy.is_admin(entry.sender)
+        """Whether `entry`'s sender may cancel `turn_id`: an admin, or the person who started it; for
+        a turn no message started (a scheduled run, another client's turn in the chat's
+        conversation), whoever may answer its approvals here (`unstarted_answerer`)."""
+        if runner.policy.is_admin(entry.sender):
+            return True
+        starter = self.replies.starter_of(turn_id)
+        if starter is None:
+            starter = self._unstarted_starter(entry, turn_id)
+        return starter is not None and starter == entry.sender
+
+    def _unstarted_starter(self, entry: Entry, turn_id: str) -> str | None:
+        """Who besides admins may stop `turn_id`, which no message of this gateway started: the rule
+        its approval prompt here was shown with, else the chat's (`unstarted_answerer`)."""
+        shown = next((p for p in self.approvals.prompts.values() if p.turn_id == turn_id), None)
+        if shown is not None:
+            return shown.starter or None
+        return unstarted_answerer(entry) or None
 
     def _left_behind(self, entry: Entry, runner: AccountRunner, turn_id: str, paused: bool) -> str:
         """What `/new` says of the reply it leaves behind in the previous conversation (it goes on),
@@ -641,30 +661,66 @@ class ChatOps:
                 await self.decided(prompt, f"{line}{by}")
             return
         ctx = await self.replies.context(str(frame.get("turn_id")))
-        if ctx is None or ctx.conversation is None and not frame.get("conversation_id"):
-            return  # not a turn this gateway started
+        if ctx is None:  # not a turn this gateway started: a scheduled run, another client's turn
+            await self._unstarted_approval(frame, call_id)
+            return
+        if ctx.conversation is None and not frame.get("conversation_id"):
+            return
         if not self.replies.admits(ctx):
             return  # queued, and its sender was revoked meanwhile: cancelled, nothing is shown
-        spec = ctx.runner.spec
         prompt = Prompt(
             call_id=call_id,
             conversation=str(frame.get("conversation_id") or ctx.conversation),
             turn_id=str(frame.get("turn_id")),
-            account=spec.ref,
+            account=ctx.runner.spec.ref,
             target=replace(ctx.here, reply_to=ctx.reply_to),  # it answers the turn's message
             starter=ctx.starter,
             name=str(frame.get("name") or "a tool"),
             arguments=str(frame.get("arguments") or ""),
         )
+        await self._post_prompt(prompt, ctx.runner)
+
+    async def _post_prompt(self, prompt: Prompt, runner: AccountRunner) -> None:
+        """Show a new prompt in its chat, once per call (a re-sent request after a reconnect is not)."""
         if not self.approvals.add(prompt):
             return
         try:
-            await self.show_prompt(prompt, ctx.runner)
+            await self.show_prompt(prompt, runner)
         except Exception as exc:  # noqa: BLE001 - a prompt that cannot be shown leaves the CLI to answer
-            log.warning("%s: could not show the approval prompt: %s", spec.ref, exc)
-            await self._prompt_failed(prompt, ctx.runner, str(exc))
+            log.warning("%s: could not show the approval prompt: %s", prompt.account, exc)
+            await self._prompt_failed(prompt, runner, str(exc))
         finally:
             prompt.shown.set()
+
+    async def _unstarted_approval(self, frame: dict[str, Any], call_id: str) -> None:
+        """An approval request of a turn no chat message started, in a conversation a chat of this
+        gateway writes in (a run of a task the chat scheduled, a turn another client submitted
+        there): shown in that chat, or the run waited unseen for its timeout while the chat's own
+        messages queued behind it, and nobody there could answer or cancel it. Who may answer is
+        the chat's rule for a turn with no starter (`unstarted_answerer`). A chat access no longer
+        lets in (its last sender revoked) is shown nothing: the CLI can still answer."""
+        conversation = str(frame.get("conversation_id") or "")
+        chat = self.ledger.last_admitted_in(conversation) if conversation else None
+        runner = self.runners.get(f"{chat.key.channel}:{chat.key.account}") if chat is not None else None
+        if chat is None or runner is None or runner.adapter is None or not runner.adapter.is_running:
+            return
+        if not self.lets_in(chat, runner):
+            log.info("%s: approval %s of a turn in %s: its chat's sender is no longer let in", runner.spec.ref,
+                     call_id, conversation)  # fmt: skip
+            return
+        prompt = Prompt(
+            call_id=call_id,
+            conversation=conversation,
+            turn_id=str(frame.get("turn_id")),
+            account=runner.spec.ref,
+            target=Target(chat.chat, chat.thread),
+            starter=unstarted_answerer(chat),
+            name=str(frame.get("name") or "a tool"),
+            arguments=str(frame.get("arguments") or ""),
+        )
+        log.info("%s: approval %s of turn %s, which no message of %s started: shown there", runner.spec.ref,
+                 call_id, prompt.turn_id, chat.chat)  # fmt: skip
+        await self._post_prompt(prompt, runner)
 
     async def _prompt_failed(self, prompt: Prompt, runner: AccountRunner, reason: str) -> None:
         """A prompt the platform refused (or never answered): the chat hears that a request waits
@@ -917,6 +973,8 @@ class ChatOps:
             log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)
         finally:
             self.approvals.settled(prompt.call_id)
+            if prompt.turn_id not in self.replies.turns:  # no follower forgets it (`forget_turn`)
+                self.approvals.prompts.pop(prompt.call_id, None)
 
     async def _find_cut_off(self, prompt: Prompt, outbox: Outbox) -> list[str]:
         """The post of a prompt decided while no gateway ran whose id a crash kept from being noted
@@ -942,6 +1000,15 @@ class ChatOps:
 
 
 _WHO_CANCELS = "only the person who started it, or an admin, can cancel it"
+
+
+def unstarted_answerer(chat: Entry) -> str:
+    """Who besides the admins may answer (and `/cancel`) a turn no chat message started that runs in
+    this chat's conversation, given the chat's newest message access let in: in a DM its sender (the
+    only person there, let in by the account's access: paired, listed or open); in a group nobody
+    (""): the gateway cannot tell which member asked for a scheduled run, and a member having
+    written there gives no say over a turn someone else's task or client started."""
+    return chat.sender if chat.payload.get("chat_type") == "dm" else ""
 
 
 def _dropped_line(count: int) -> str:

@@ -465,6 +465,26 @@ class Ledger:
         ).fetchall()
         return [_entry(r) for r in rows]
 
+    def last_admitted(self, channel: str, account: str, chat: str) -> Entry | None:
+        """The newest message of `chat` that access let in (decided `allow`, or released by an
+        approval), or None: a chat only refused (a stranger under `allowlist`) is no chat the account
+        talks to (`channeltool.reachable`), and its type and sender are those of someone let in."""
+        row = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM ledger WHERE channel=? AND account=? AND chat=? AND decision='allow'"
+            " ORDER BY id DESC LIMIT 1",
+            (channel, account, chat),
+        ).fetchone()
+        return _entry(row) if row else None
+
+    def last_admitted_in(self, conversation: str) -> Entry | None:
+        """The newest message access let in that went to `conversation`: the chat (and thread) whose
+        conversation it is, for a turn there no message started (a scheduled run's approval)."""
+        row = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM ledger WHERE conversation=? AND decision='allow' ORDER BY id DESC LIMIT 1",
+            (conversation,),
+        ).fetchone()
+        return _entry(row) if row else None
+
     def to_deliver(self) -> list[Entry]:
         """Turns that finished but whose reply was not recorded as delivered."""
         return self._in_state("finished")
@@ -498,8 +518,9 @@ class Ledger:
         """Delete the rows that settled before `before` (epoch seconds) among the `scan` rows after
         id `after`, in one short transaction. Returns how many went and the id to go on after (None:
         the rest are newer). Kept whatever their age: a row not settled, the newest row of each chat
-        (what makes it a chat the account "has heard from": `channeltool.reachable`), and the rows of
-        a batch while any of its messages is not settled (`batch_of` reads them together)."""
+        and its newest row access let in (what makes it a chat the account talks to:
+        `channeltool.reachable`, `last_admitted`), and the rows of a batch while any of its messages
+        is not settled (`batch_of` reads them together)."""
         rows = self._conn.execute(
             "SELECT id, received_at FROM ledger WHERE id > ? ORDER BY id LIMIT ?", (after, scan)
         ).fetchall()
@@ -514,6 +535,8 @@ class Ledger:
                 " AND updated_at < ?"
                 " AND id < (SELECT MAX(n.id) FROM ledger n"
                 "  WHERE n.channel=ledger.channel AND n.account=ledger.account AND n.chat=ledger.chat)"
+                " AND id <> COALESCE((SELECT MAX(a.id) FROM ledger a WHERE a.channel=ledger.channel"
+                "  AND a.account=ledger.account AND a.chat=ledger.chat AND a.decision='allow'), -1)"
                 " AND (batch IS NULL OR NOT EXISTS (SELECT 1 FROM ledger b WHERE b.channel=ledger.channel"
                 f"  AND b.account=ledger.account AND b.batch=ledger.batch AND b.state NOT IN ({settled})))",
                 (*old, *SETTLED, before, *SETTLED),

@@ -39,10 +39,14 @@ class Services:
 
 def build_services(server: Server) -> Services:
     channels = ChannelService(server.config, server.readiness, cluster=lambda: getattr(server.store, "cluster", None))
+    cron = CronService(server, deliver=channels.deliver if channels.enabled else None)
+    # before the server opens: the queued cron runs its start takes up are checked by the kernel
+    # itself (cron's outcome recovery runs later, once a queue may have begun them)
+    server.kernel.hold_back_queued(cron.held_back)
     return Services(
         hub=Hub(server),
         metrics=Metrics(server),
-        cron=CronService(server, deliver=channels.deliver if channels.enabled else None),
+        cron=cron,
         channels=channels,
         places=TurnPlaces(server),
     )

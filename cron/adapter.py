@@ -9,6 +9,7 @@ from datetime import timedelta
 
 from appserver.runtime import Kernel, SubmitRequest
 from appserver.store.base import Store
+from appserver.store.records import TurnRecord
 from cron.runner import ClaimUnverifiable, CronSubmission, TurnOutcome
 from cron.store import CronTask, Occurrence, utcnow
 
@@ -18,6 +19,16 @@ from cron.store import CronTask, Occurrence, utcnow
 # Past it, an unanswered claim is never resubmitted (tests/test_cron_refire.py pins it below the
 # kernel's purge window).
 CLAIM_VERIFIABLE_S = 24 * 3600.0
+
+
+def task_run_of(turn: TurnRecord) -> str | None:
+    """The id of the cron task `turn` is a run of (its `source`, as `CronSubmission.source` writes
+    it), or None for any other turn."""
+    source = turn.source
+    if not isinstance(source, dict) or source.get("kind") != "cron_prompt":
+        return None
+    task_id = source.get("cron_task_id")
+    return task_id if isinstance(task_id, str) and task_id else None
 
 
 class KernelAdapter:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,7 +14,8 @@ from appserver.channels import READINESS_CHECK as CHANNELS_CHECK
 from appserver.readiness import CheckResult
 from appserver.server import Server
 from appserver.shown import shown
-from cron.adapter import KernelAdapter
+from appserver.store.records import TurnRecord
+from cron.adapter import KernelAdapter, task_run_of
 from cron.runner import DeliverFn, RunNowResult, TurnOutcome, deliver_reply, settle
 from cron.scheduler import Scheduler
 from cron.store import (
@@ -78,6 +79,9 @@ class CronService:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[int] | None = None
+        # turn id -> why: the queued runs this server's kernel dropped as it took them up before
+        # its outcome recovery ended (`held_back`): that recovery records them
+        self._held: dict[str, str] = {}
 
     def start(self) -> None:
         config = self.server.config
@@ -158,9 +162,10 @@ class CronService:
             task = None if tasks is None else tasks.get(task_id)
             if task is not None and self._resolved_elsewhere(task, occurrence):
                 continue
-            if task is None and tasks is not None and self.scheduler.store.shared:
+            if task is None and tasks is not None and self.scheduler.store.shared and turn_id not in self._held:
                 # removed since, on a cluster's database: the tasks no longer say whether another
-                # server finished the run (the one that took the scheduler over recorded it if so)
+                # server finished the run (the one that took the scheduler over recorded it if so);
+                # one this server's kernel dropped at its start never ran: its outcome is recorded here
                 continue
             turn = await self.server.store.get_turn(turn_id)
             if turn is None:  # accepted by a process that died before its store commit
@@ -191,6 +196,29 @@ class CronService:
                 await self.scheduler.withdraw_run(task_id, occurrence, turn_id, stopped)
         log.info("cron: recovering the outcome of %d turn(s) of a previous server", len(pending))
         return watched
+
+    async def held_back(self, turns: Sequence[TurnRecord]) -> dict[str, str]:
+        """The kernel's check of the queued turns it takes up from the store (`Kernel.hold_back_queued`,
+        wired by `build_services`): the cron runs among them whose task was removed or disabled
+        meanwhile (`cron remove`/`disable` while no server ran), each with why; the kernel drops
+        them, never started. Asked by the kernel itself, before it queues them again: the outcome
+        recovery above runs later, after a run queued behind a turn the stop cut off had begun.
+        Tasks that cannot be read hold nothing back (logged): the runs go on, as a scheduler that
+        cannot read them lets them."""
+        runs = {t.id: task_id for t in turns if (task_id := task_run_of(t)) is not None}
+        if not runs:
+            return {}
+        tasks = await asyncio.to_thread(self._current_tasks, "check the queued runs a start takes up")
+        if tasks is None:
+            return {}
+        held: dict[str, str] = {}
+        for turn_id, task_id in runs.items():
+            task = tasks.get(task_id)
+            if task is None or not task.enabled:
+                held[turn_id] = NOT_STARTED_REMOVED if task is None else NOT_STARTED_DISABLED
+        if self._recovery is None or not self._recovery.done():
+            self._held.update(held)
+        return held
 
     def _resolved_elsewhere(self, task: CronTask, occurrence: int) -> bool:
         """Did another process finish run `occurrence` (its outcome recorded, its reply sent)? As
@@ -223,13 +251,13 @@ class CronService:
                 return
             await asyncio.sleep(0.2)
 
-    def _current_tasks(self) -> dict[str, CronTask] | None:
-        """The tasks by id now, for the delivery targets of recovered runs; None (logged) when
-        crons.json cannot be read: the turns' own record of their target is used then."""
+    def _current_tasks(self, purpose: str = "recover the delivery of their runs") -> dict[str, CronTask] | None:
+        """The tasks by id now, for the delivery targets of recovered runs; None (logged, saying
+        what for) when crons.json cannot be read: the turns' own record of their target is used then."""
         try:
             state = self.scheduler.store.read()
         except (CronStoreError, CorruptStateFile, OSError) as exc:
-            log.warning("cron: cannot read the tasks to recover the delivery of their runs: %s", exc)
+            log.warning("cron: cannot read the tasks to %s: %s", purpose, exc)
             return None
         return {t.id: t for t in state.tasks}
 

@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +117,9 @@ SettledListener = Callable[[TurnRecord, TurnSnapshot], None]
 # let a turn's place go (the turn moved to another server).
 CountOpen = Callable[[str, TurnHandle], None]
 LetGo = Callable[[str], None]
+# A hold-back check (`Kernel.hold_back_queued`): of the queued turns this server takes up from the
+# store, the ones that must not run, each with why (turn id -> why).
+HoldBack = Callable[[Sequence[TurnRecord]], Awaitable[Mapping[str, str]]]
 UNCOUNTED_PRUNE_AT = 64  # turns noted before a count was registered: ended ones are dropped from here on
 
 
@@ -236,6 +239,7 @@ class Kernel:
         self._uncounted_prune_at = UNCOUNTED_PRUNE_AT
         self._counted_elsewhere: dict[str, tuple[str, str, TurnHandle]] = {}
         self._counted_unheld: dict[str, str] = {}
+        self._hold_backs: list[HoldBack] = []  # `hold_back_queued`: registered at wiring
 
     # ------------------------------------------------------------ start / stop
 
@@ -298,6 +302,14 @@ class Kernel:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
             if self._link is not None:
                 self._link.start()
+
+    def hold_back_queued(self, check: HoldBack) -> None:
+        """Register a check of the queued turns this server takes up from the store (at its start,
+        or from a gone server of its cluster), asked before any of them is queued again: a turn it
+        names ends cancelled, never started (a cron run whose task was removed or disabled while no
+        server ran, which its queue would otherwise begin at once). Given by the services at
+        wiring, before `start`: the kernel knows no service."""
+        self._hold_backs.append(check)
 
     # ------------------------------------------------------------ the open-turn count
 
@@ -583,12 +595,16 @@ class Kernel:
         or cancelled when a cancel of one was acknowledged (`_settle_left`); queue the queued ones
         again (`requeue`: a server's start), a cancelled one to end so as the worker begins it."""
         settled = 0
-        for turn in await self.store.open_turns(["running", "queued"]):
+        turns = await self.store.open_turns(["running", "queued"])
+        held = await self._held_back(turns) if requeue else {}
+        for turn in turns:
             if turn.owner and turn.owner != self.owner and identity_alive(turn.owner):
                 continue  # another live process runs it
             if turn.status == "queued":
                 if requeue and awaited_by_a_request(turn):
                     await self._settle_withdrawn(turn)
+                elif requeue and turn.id in held:
+                    await self._settle_held_back(turn, held[turn.id])
                 elif requeue:
                     rt = await self.runtime(turn.conversation_id)
                     if rt.queue.requeue(turn):
@@ -615,7 +631,9 @@ class Kernel:
         assert link is not None
         await link.taken(rt.conversation_id)
         await link.read_unsaved(rt.conversation_id)  # their ends first, in the conversation's order
-        for turn in await self.store.list_turns(rt.conversation_id, statuses=("running", "queued")):
+        turns = await self.store.list_turns(rt.conversation_id, statuses=("running", "queued"))
+        held = await self._held_back([t for t in turns if not rt.queue.knows(t.id)])
+        for turn in turns:
             # asked now, not before the read: an input this server accepts meanwhile is its own
             # (running, if accepted into an idle conversation), and its queue is about to hold it
             if rt.queue.knows(turn.id):
@@ -627,6 +645,8 @@ class Kernel:
                     )
                     continue
                 await self._settle_left(turn)
+            elif turn.id in held:
+                await self._settle_held_back(turn, held[turn.id])
             elif not rt.queue.closed and self.runtimes.get(rt.conversation_id, rt) is rt:
                 # (an HTTP input too: its client's retry, sent to this server before the dead
                 # one was judged gone, may already follow it by its Idempotency-Key)
@@ -670,6 +690,27 @@ class Kernel:
             turn.id,
             turn.conversation_id,
         )
+
+    async def _held_back(self, turns: Sequence[TurnRecord]) -> dict[str, str]:
+        """Which of the queued `turns` (an HTTP request's excepted: dropped anyway) must not run,
+        turn id -> why, as the registered checks say (`hold_back_queued`). A check that fails is
+        logged and holds nothing back: its turns run, as they would without it."""
+        queued = [t for t in turns if t.status == "queued" and not awaited_by_a_request(t)]
+        held: dict[str, str] = {}
+        for check in self._hold_backs if queued else ():
+            try:
+                held.update(await check(queued))
+            except Exception:
+                log.exception("could not check %d queued turn(s) before queueing them again", len(queued))
+        return held
+
+    async def _settle_held_back(self, turn: TurnRecord, why: str) -> None:
+        """Drop a queued turn a hold-back check named (`hold_back_queued`) before its queue reaches
+        it: cancelled, error kind `withdrawn` saying `why`, nothing of it written."""
+        revision = restart_revision(turn)
+        if not await self._settle_unheld(turn, withdrawn(turn.id, revision, why), revision=revision):
+            return
+        log.warning("dropped queued turn %s of conversation %s: %s", turn.id, turn.conversation_id, why)
 
     async def _settle_left_unseen(self, turn: TurnRecord) -> None:
         """Withdraw a turn a dead process left running whose cancel it acknowledged as its client's

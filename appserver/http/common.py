@@ -50,7 +50,7 @@ from appserver.runtime.restore import controller_from_store
 from appserver.runtime.snapshot import TurnController, answered_unrun
 from appserver.security.guard import GUARD_ANSWERED
 from appserver.security.limits import TOO_MANY_OPEN_TURNS, TurnPlaces, open_turns_key
-from appserver.store.base import StoreUnavailable, StoreValueRefused
+from appserver.store.base import StoreUnavailable, StoreValueRefused, WriteRefused
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall, TurnRecord, TurnSettings
 
 if TYPE_CHECKING:
@@ -248,6 +248,11 @@ async def turn_error(server: Server, agent_id: str, error: dict[str, Any] | None
     was deleted while it ran ends as that model not existing, as the next request for it does."""
     if (error or {}).get("kind") == "store" and await server.store.get_agent(agent_id) is None:
         return agent_deleted()
+    if (error or {}).get("input_saved"):
+        # Its input was saved before the reply was refused (a full disk): the message says where,
+        # and an SDK must not send it again by itself (runtime/finish.py `_reply_unsaved`).
+        why = str((error or {}).get("message") or "the turn's reply could not be saved")
+        return ApiError(503, why, code="store_unavailable", headers={"x-should-retry": "false"})
     if (error or {}).get("kind") == "store_unavailable":
         # Not the agent's failure: the database could not take the turn's writes (a restart, a lock
         # another process holds). Nothing of it was saved; a retry may go through (docs/openai.md).
@@ -484,7 +489,14 @@ class Idempotency:
         )
 
     async def abandon(self) -> None:
-        await self.server.store.drop_http_idempotency(self.scope, self.key)
+        """Let the key go after the request failed (or its turn gave no answer to keep). A drop the
+        store refuses (a full disk) leaves the request's own answer standing, never this write's
+        "nothing of this request was written" (its input may have been saved): the claim stays
+        until the server's next start (a retry with the key meanwhile: 409 in progress)."""
+        try:
+            await self.server.store.drop_http_idempotency(self.scope, self.key)
+        except WriteRefused as exc:
+            log.warning("Idempotency-Key %r could not be let go: %s", self.key, exc.cause)
 
 
 HTTP_SOURCES = ("openai_chat", "openai_responses")
@@ -1506,6 +1518,21 @@ CONVERSATION_SCOPE_KEY = "appserver.conversation_id"
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+def after_turn_refused(exc: WriteRefused, conversation_id: str) -> ApiError:
+    """A write after the request's turn ended (its reply's place, the answer kept under its key,
+    its Response object) refused by the store (a full disk): what the turn saved stays, so the
+    error says that, never "nothing of this request was written", and an SDK does not send the
+    input again by itself (it would be stored a second time)."""
+    return ApiError(
+        503,
+        f"the request's turn ended and what it saved stays in conversation {conversation_id}, but a write after "
+        f"it could not be made: {exc.cause}. Do not send the input again (it would be stored a second time): "
+        "once the store takes writes again, continue the conversation",
+        code="store_unavailable",
+        headers={"x-should-retry": "false", HEADER: conversation_id},
+    )
+
+
 def api_route(
     metrics: Metrics,
     route: str,
@@ -1563,7 +1590,12 @@ def api_route(
                 response = error_response(400, str(exc), code="invalid_value")
             except StoreUnavailable as exc:  # the database's doing (a restart, a terminated session)
                 log.warning("request on %s failed: %s", route, exc)
-                response = error_response(503, str(exc), code="store_unavailable", headers={"Retry-After": "1"})
+                conversation = request.scope.get(CONVERSATION_SCOPE_KEY)
+                if isinstance(exc, WriteRefused) and conversation:
+                    e = after_turn_refused(exc, conversation)
+                    response = error_response(e.status, e.message, code=e.code, headers=e.headers)
+                else:
+                    response = error_response(503, str(exc), code="store_unavailable", headers={"Retry-After": "1"})
             except Exception as exc:
                 rid = current_request_id() or new_request_id()  # the x-request-id of this response
                 log.exception("request %s on %s failed", rid, route)

@@ -119,6 +119,8 @@ def turn_failure(error: dict[str, Any] | None) -> ApiError:
     err = error or {}
     kind = str(err.get("kind") or "internal")
     status, code = PROVIDER_FAILURES.get(kind, (500, "internal_error"))
+    if err.get("input_saved"):  # its input was saved, its reply refused (a full disk): runtime/finish.py
+        status, code = 503, "store_unavailable"
     detail = f" (upstream HTTP {err['status']})" if err.get("status") else ""
     return ApiError(
         status,

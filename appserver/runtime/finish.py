@@ -27,8 +27,8 @@ from appserver.runtime.restore import controller_from_store
 from appserver.runtime.settle import TurnEnd, store_failure
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
-from appserver.store.base import ConversationGone, Store, StoreUnavailable, TurnSettledElsewhere
-from appserver.store.records import TurnRecord
+from appserver.store.base import ConversationGone, Store, StoreUnavailable, TurnSettledElsewhere, WriteRefused
+from appserver.store.records import TurnCommit, TurnRecord
 from appserver.values import value
 
 log = logging.getLogger("appserver.runtime")
@@ -91,6 +91,8 @@ async def finish_turn(
                 log.exception("could not commit turn %s", record.id)
             failure = exc
             end = store_failure(exc)
+            if isinstance(exc, WriteRefused):  # known not written (not a commit cut off mid-way)
+                end = _reply_unsaved(record, commit, end, exc)
             if seat is not None:
                 seat.history.drop()
             if isinstance(exc, TurnSettledElsewhere):
@@ -131,6 +133,32 @@ async def finish_turn(
         seat.lifecycle.finish(lease)
     settled(record, controller.snapshot())
     return Finished(end, failure)
+
+
+def _reply_unsaved(record: TurnRecord, commit: TurnCommit, end: TurnEnd, exc: WriteRefused) -> TurnEnd:
+    """The end of an accepted turn was refused (a full disk, the file size limit, the file locked):
+    its input was saved by the accept (its turn's row; the history too once a checkpoint wrote it),
+    so the error says that, where, and that sending it again would store it twice, never the
+    write's own "nothing of this request was written". Nothing more is written: the turn stays
+    open in the store as it is, and the server's next start settles it as interrupted, its input
+    kept. Error kind `store` (a reply that was not stored is no answer: never a 200 `failed`
+    Response) marked `input_saved`: HTTP 503 `store_unavailable` with `x-should-retry: false`
+    (http/common.py `turn_error`). An input withdrawn from the queue (never in the conversation)
+    keeps the plain failure."""
+    if end.error is None or not (commit.input_committed or record.input_committed):
+        return end
+    where = (
+        f"is in conversation {record.conversation_id}'s history"
+        if record.input_committed
+        else f"was saved in conversation {record.conversation_id}"
+    )
+    message = (
+        f"the turn's input {where}, but its reply could not be saved: {exc.cause}. Its turn {record.id} stays "
+        "open in the store until the server's next start settles it as interrupted, the input kept in the "
+        "conversation. Do not send the input again (it would be stored a second time): once the store takes "
+        "writes again, continue the conversation"
+    )
+    return TurnEnd(end.status, end.stop_reason, dict(end.error, kind="store", input_saved=True, message=message))
 
 
 def _unsaved_cut_off(

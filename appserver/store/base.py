@@ -62,6 +62,21 @@ class StoreUnavailable(StoreError):
     unknown: a client retries with its idempotency key. HTTP says 503 `store_unavailable`."""
 
 
+NOTHING_WRITTEN = "nothing of this request was written"
+
+
+class WriteRefused(StoreUnavailable):
+    """The store refused a write as a whole (SQLite: a full disk, the file size limit, the file
+    locked by another process): known not written, unlike a commit cut off mid-way. Its message
+    says "nothing of this request was written", true of a request's first write only: a later
+    one (a turn's reply, after the accept saved its input) says what was saved (`cause`)."""
+
+    @property
+    def cause(self) -> str:
+        """Why the write was refused and what to do, without the claim about the request."""
+        return str(self).replace(f": {NOTHING_WRITTEN};", ";")
+
+
 class StoreFileGone(StoreUnavailable):
     """The store's file was deleted or replaced while the server runs: a write now would go to a
     file no later start opens, so none is made (nor acknowledged) until an operator acts."""

@@ -8,12 +8,16 @@ the tables: a job is any `Callable[[sqlite3.Connection], None]`; the queries liv
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import resource
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from pathlib import Path
 
-from appserver.store.base import StoreUnavailable
+from appserver.fsutil import os_error_line
+from appserver.store.base import NOTHING_WRITTEN, StoreUnavailable, WriteRefused
 
 log = logging.getLogger("appserver.store")
 
@@ -42,12 +46,20 @@ LOCKED_TRY_S = 0.05
 _BUSY = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (the low byte of an extended code)
 
 
-class StoreFull(StoreUnavailable, sqlite3.OperationalError):
-    """The disk holding the SQLite file is full (SQLITE_FULL): nothing of the write stayed; the
-    store is unavailable until there is room (HTTP 503 `store_unavailable`), not broken."""
+class StoreFull(WriteRefused, sqlite3.OperationalError):
+    """The disk holding the SQLite file is full (SQLITE_FULL), or a write went past this process's
+    file size limit (`ulimit -f`, EFBIG): nothing of the write stayed; the store is unavailable
+    until there is room (HTTP 503 `store_unavailable`), not broken."""
+
+    def __init__(self, why: str, remedy: str = "free some space (the server goes on once there is room)") -> None:
+        super().__init__(f"{why}: {NOTHING_WRITTEN}; {remedy}")
 
 
 SQLITE_FULL = 13
+SQLITE_IOERR = 10  # the low byte of every "disk I/O error" (a write past RLIMIT_FSIZE fails with EFBIG)
+# A write past the file size limit writes up to it, then fails: a store file this close to the
+# limit is at it (a WAL frame is a page and its header; a commit of big messages, a few pages).
+FSIZE_MARGIN = 256 * 1024
 
 
 def is_full(exc: BaseException) -> bool:
@@ -56,7 +68,39 @@ def is_full(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and isinstance(code, int) and code & 0xFF == SQLITE_FULL
 
 
-class StoreLocked(StoreUnavailable, sqlite3.OperationalError):
+def is_io_error(exc: BaseException) -> bool:
+    """`exc` is SQLite's "disk I/O error" (of any kind: a write, a truncate, the shared memory)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.OperationalError) and isinstance(code, int) and code & 0xFF == SQLITE_IOERR
+
+
+def file_size_limit() -> int | None:
+    """This process's file size limit (`ulimit -f`) in bytes; None when there is none."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
+
+
+def over_size_limit(files: Sequence[Path]) -> Path | None:
+    """The first of `files` within FSIZE_MARGIN of the file size limit, or None: SQLite says only
+    "disk I/O error" for a write the limit refused (EFBIG), so the sizes tell it from a failing disk."""
+    limit = file_size_limit()
+    if limit is None:
+        return None
+    for path in files:
+        with suppress(OSError):
+            if path.stat().st_size + FSIZE_MARGIN >= limit:
+                return path
+    return None
+
+
+def size_limit_cause(path: Path) -> str:
+    """`path` cannot grow past the file size limit, as every command words it (fsutil.py), without
+    its "try again" (the caller says what to do)."""
+    line = os_error_line(OSError(errno.EFBIG, "File too large", str(path))) or str(path)
+    return line.split("; ")[0]
+
+
+class StoreLocked(WriteRefused, sqlite3.OperationalError):
     """Another process holds the SQLite file's write lock past LOCK_WAIT_S: the store is
     unavailable (HTTP 503 `store_unavailable`), and still SQLite's own OperationalError to code
     that knows that one."""
@@ -93,9 +137,11 @@ class GroupCommit:
         committed: Callable[[], None],
         failed: Callable[[BaseException], None] = lambda exc: None,
         name: str = "the database",
+        files: Sequence[Path] = (),
     ) -> None:
         self._connection = connection
         self._name = name  # the store's file, as an error names it
+        self._files = tuple(files)  # the store's files on disk (a file size limit is told by their sizes)
         self._locked = False  # the last write found the file locked by another process
         self._busy_ms: tuple[int, int] | None = None  # (id of the connection, its busy_timeout set here)
         self._committed = committed
@@ -138,13 +184,20 @@ class GroupCommit:
         self._committed()
 
     def _as_store_error(self, exc: BaseException | None) -> BaseException | None:
-        """A full disk as StoreFull (503 `store_unavailable`, saying so), every other error as it is."""
-        if exc is None or isinstance(exc, StoreUnavailable) or not is_full(exc):
+        """A full disk, or a write past the file size limit, as StoreFull (503 `store_unavailable`,
+        saying so, one log line and no traceback); every other error as it is."""
+        if exc is None or isinstance(exc, StoreUnavailable):
             return exc
-        return StoreFull(
-            f"the disk holding {self._name} is full: nothing of this request was written; "
-            "free some space (the server goes on once there is room)"
-        )
+        if is_full(exc):
+            return StoreFull(f"the disk holding {self._name} is full")
+        if is_io_error(exc):
+            at_limit = over_size_limit(self._files)
+            if at_limit is not None:
+                return StoreFull(
+                    size_limit_cause(at_limit),
+                    "raise the limit of the server's process (the server goes on once writes fit)",
+                )
+        return exc
 
     def submit(
         self, job: Job, *, defer: bool = False, on_failure: Callable[[BaseException], None] | None = None
@@ -273,8 +326,8 @@ class GroupCommit:
                 self._locked = True
                 log.warning("%s is locked by another process: writes fail until it lets go", self._name)
             raise StoreLocked(
-                f"{self._name} is locked by another process (a write waited {wait_s:g} s for it): nothing of "
-                "this request was written; retry once that process lets go of the database"
+                f"{self._name} is locked by another process (a write waited {wait_s:g} s for it): "
+                f"{NOTHING_WRITTEN}; retry once that process lets go of the database"
             ) from exc
         if self._locked:
             self._locked = False

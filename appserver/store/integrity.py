@@ -59,6 +59,7 @@ from appserver.sqlitewal import (
 )
 from appserver.sqlitewal import shm_lock_holders as shm_lock_holders  # store/sqlite.py's import
 from appserver.store.base import StoreError
+from appserver.store.groupcommit import FSIZE_MARGIN, file_size_limit, size_limit_cause
 
 log = logging.getLogger("appserver.store")
 
@@ -367,6 +368,8 @@ def open_error(db: Path, exc: sqlite3.Error) -> StoreOpenError:
             f"no space left to open {db} ({free if free is not None else '?'} bytes free; SQLite: {text}): "
             "free some space on that device and start again"
         )
+    if "I/O" in text and at_size_limit(db):
+        return StoreOpenError(f"{size_limit_cause(db)}; raise the limit and start again (SQLite: {text})")
     if "unable to open" in text or "readonly" in text or "read-only" in text:
         return StoreOpenError(
             f"cannot open {db} ({text}): check the owner and permissions of the file and its directory"
@@ -374,6 +377,19 @@ def open_error(db: Path, exc: sqlite3.Error) -> StoreOpenError:
     if "malformed" in text or "not a database" in text or "encrypted" in text:
         return StoreOpenError(f"{db} is damaged ({text}): restore it from a backup (the file is left as it is)")
     return StoreOpenError(f"cannot open {db}: {text}")
+
+
+def at_size_limit(db: Path) -> bool:
+    """The store's files (none yet: a new store) are at this process's file size limit (`ulimit -f`):
+    SQLite's "disk I/O error" is then the limit's EFBIG, not a failing disk."""
+    limit = file_size_limit()
+    if limit is None:
+        return False
+    sizes = [0]
+    for path in (db, wal_path(db)):
+        with contextlib.suppress(OSError):
+            sizes.append(path.stat().st_size)
+    return max(sizes) + FSIZE_MARGIN >= limit
 
 
 def create_store(db: Path, migrate: Callable[[sqlite3.Connection], object]) -> bool:

@@ -23,6 +23,7 @@ from filelock import FileLock, Timeout
 
 from appserver.fsutil import StateFileRefused, check_sqlite_side_files
 from appserver.procid import identity, identity_alive
+from appserver.sqlitewal import wal_path
 from appserver.store.agentcache import AgentCache, copy_agent
 from appserver.store.base import (
     DELETE_ORPHAN_RESPONSES,
@@ -36,7 +37,7 @@ from appserver.store.base import (
     idempotency_cutoff,
 )
 from appserver.store.checkpointer import WAL_BACKSTOP_PAGES, Checkpointer
-from appserver.store.groupcommit import GroupCommit
+from appserver.store.groupcommit import GroupCommit, over_size_limit
 from appserver.store.integrity import (
     QUICK_CHECK_MAX_BYTES,
     StoreOpenError,
@@ -236,7 +237,9 @@ class SQLiteStore(Store):
         self.fresh = False  # True when open() created the schema (first use of this home)
         self._agent_cache = AgentCache(self._load_agents)
         # The single writer: grouped turn commits and plain transactions, in order (groupcommit.py).
-        self._writes = GroupCommit(self._writer, self._committed, self.note_failure, name=f"the store {self.path}")
+        self._writes = GroupCommit(
+            self._writer, self._committed, self.note_failure, name=f"the store {self.path}", files=self._files()
+        )
         self.damage: str | None = None  # what SQLite found damaged while the server runs
         # Conversations whose queued insert (create_conversation) did not commit (a full disk, the
         # file locked by another process): the kernel holds them already, so the next accept in
@@ -372,12 +375,22 @@ class SQLiteStore(Store):
                     f"disk nearly full: {free:,} bytes free for {self.path.parent} (needs {min_free_bytes:,}; "
                     "[limits] min_free_disk_bytes)"
                 )
+        at_limit = over_size_limit(self._files())
+        if at_limit is not None:  # writes that grow it fail (EFBIG) while small ones still go through
+            raise StoreError(
+                f"{at_limit} is at this process's file size limit (ulimit -f): writes that grow it fail; raise the "
+                "limit of the server's process"
+            )
         self._write_probe = (self._write_probe + 1) % 1_000_000
         with self._tx() as tx:
             tx.execute(f"PRAGMA user_version = {self._write_probe + 1}")  # header page only; no table
         return "writable" + (
             f", {shutil.disk_usage(self.path.parent).free:,} bytes free" if isinstance(self.path, Path) else ""
         )
+
+    def _files(self) -> tuple[Path, ...]:
+        """The store's files that writes grow (none in memory): a file size limit is told by their sizes."""
+        return (self.path, wal_path(self.path)) if isinstance(self.path, Path) else ()
 
     def _writer(self) -> sqlite3.Connection:
         """The connection every write transaction runs on, once the file it opened is still the

@@ -120,10 +120,11 @@ def closed_within(s: socket.socket, seconds: float) -> bool:
         return False
 
 
-def stalled_post(srv: Srv, xff: str | None = None) -> socket.socket:
+def stalled_post(srv: Srv, xff: str | None = None, token: str | None = None) -> socket.socket:
     """A POST whose body stops after 1 of its 100 bytes; it reaches the app (and holds a slot)."""
     s = connect(srv)
     extra = f"X-Forwarded-For: {xff}\r\n" if xff else ""
+    extra += f"Authorization: Bearer {token}\r\n" if token else ""
     s.sendall(
         (
             "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -352,11 +353,20 @@ def test_accept_out_of_descriptors_logs_one_line_not_a_flood(tmp_path: Path, loo
 
 
 def test_x_forwarded_for_from_a_plain_client_does_not_escape_the_per_client_cap(tmp_path: Path) -> None:
-    srv = start(tmp_path / "home", APPSERVER_LIMITS__CONNECTIONS_PER_CLIENT="2", APPSERVER_LIMITS__BODY_TIMEOUT_S="20")
+    """With auth on (in mode `none` a forwarded request is refused outright: 403 forwarded_needs_auth)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    made = run_cli(home, "token", "create", "--name", "xff", "--json", env=cli_env(home))
+    assert made.code == 0, made.err
+    token = made.json()["token"]
+    srv = start(
+        home, "--auth", "token", APPSERVER_LIMITS__CONNECTIONS_PER_CLIENT="2", APPSERVER_LIMITS__BODY_TIMEOUT_S="20"
+    )
     try:
-        held = [stalled_post(srv, "127.0.0.2"), stalled_post(srv, "127.0.0.3")]
+        held = [stalled_post(srv, "127.0.0.2", token), stalled_post(srv, "127.0.0.3", token)]
         # A third address claimed in the header is still this one loopback client.
-        assert eventually(lambda: models(srv, **{"X-Forwarded-For": "127.0.0.4"}).status_code == 429, 3.0)
+        claimed = {"X-Forwarded-For": "127.0.0.4", "Authorization": f"Bearer {token}"}
+        assert eventually(lambda: models(srv, **claimed).status_code == 429, 3.0)
         for s in held:
             s.close()
     finally:

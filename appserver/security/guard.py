@@ -33,7 +33,9 @@ connections that never authenticated: one limit for the server.
 An app with a `count_refusal(scope, status)` method (http/app.py: the metrics) hears of each HTTP
 refusal. `scope["state"][OPS_DETAIL]` says whether the request's credential may see operational
 detail (the checks' details in `/readyz`): one with the scope `/metrics` needs, offered even on a
-public path (never refused there), or any client in auth mode `none`.
+public path (never refused there), or the local owner (`LocalOwner`: a loopback peer of the
+server's own Unix user or root that no proxy forwarded); in auth mode `none` only the local owner
+passes the public paths (403 `forwarded_needs_auth` / `other_user`).
 
 Refused WebSocket upgrades get a real HTTP response (403/401/421/400) through the
 `websocket.http.response` extension when the server offers it, else a close before accept
@@ -43,14 +45,28 @@ Refused WebSocket upgrades get a real HTTP response (403/401/421/400) through th
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from appserver.auth import Authenticator, AuthError, Principal, TokensStale
 from appserver.auth.authenticator import CredentialRejected
 from appserver.config import Config, ConfigError
 from appserver.http.requestid import HEADER as REQUEST_ID_HEADER
 from appserver.http.requestid import begin_request, end_request
-from appserver.netaddr import BindRefused, check_bind_allowed, is_loopback, parse_listen
+from appserver.netaddr import (
+    FORWARDING_HEADERS,
+    BindRefused,
+    TrustedProxies,
+    check_bind_allowed,
+    forwarded_for_hops,
+    forwarded_host,
+    forwarded_list_hops,
+    is_loopback,
+    parse_listen,
+    tcp_peer_uid,
+)
 from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send, prove
 from appserver.security.authentication import (
     DEFAULT_PATH_SCOPES,
@@ -62,6 +78,7 @@ from appserver.security.authentication import (
 from appserver.security.headers import Headers, guarded_headers, single
 from appserver.security.hostcheck import HostCheck
 from appserver.security.limits import BodyLimit, ClientSlots, PendingSockets, SlotHold, slot_key
+from appserver.security.memo import Memo
 from appserver.security.origin import OriginCheck, cors_headers, is_preflight, preflight
 from appserver.security.refusals import RefusalLog, refuse_ws, send_http_error, shown_path
 from appserver.security.ws_session import run_ws
@@ -127,6 +144,7 @@ class SecurityGuard:
         self.refusals = RefusalLog()
         self.count_refusal: CountRefusal | None = getattr(app, "count_refusal", None)
         self.ops_scope = self.authentication.required_scope({"type": "http", "path": OPS_PATH})
+        self.owner = LocalOwner(config.server.trusted_proxies)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -154,18 +172,26 @@ class SecurityGuard:
                 await preflight(send, origin, hdrs)
                 return
             check_query(scope)
+            # Whose Unix user a loopback peer is matters in mode none, and for /readyz's details.
+            public = scope.get("path") in self.authentication.public_paths
+            whose = self.owner.judge(scope, server_send, check_user=self.authenticator.mode == "none" or public)
+            if whose.client != scope.get("client"):  # a trusted proxy named it in Forwarded/X-Real-IP
+                scope = {**scope, "client": whose.client}
+            self._refuse_strangers_in_mode_none(scope, whose)
             try:
                 principal, pending = self.authentication.authenticate(scope, hdrs)
             except TokensStale as stale:  # the token store reads its database first, off the loop
                 principal, pending = await self.authentication.authenticate_fresh(scope, hdrs, stale)
             if principal is not None:
                 prove(scope)  # the connection keeps its slot at the cap (edge.py)
-            # On a public path (no principal) a credential offered, or a peer on this machine, may
-            # still see the details (only /readyz reads them: nothing more is done per request).
+            # On a public path (no principal) a credential offered, or the owner on this machine,
+            # may still see the details (only /readyz reads them: nothing more is done per request).
             ops_detail = self._may_see_detail(principal)
-            if principal is None and kind == "http":
+            if self.authenticator.mode == "none":
+                ops_detail = whose.local  # everyone may reach /readyz in mode none; the owner sees more
+            elif principal is None and kind == "http":
                 offered = await self._offered(hdrs, scope.get("path", "?"))
-                ops_detail = self._may_see_detail(offered) or _from_this_machine(scope)
+                ops_detail = self._may_see_detail(offered) or whose.local
             if kind == "http":
                 self.body.check_length(hdrs)
             client = slot_key(scope, principal)
@@ -223,6 +249,16 @@ class SecurityGuard:
         finally:
             # (a WebSocket authenticated by `hello` holds its credential's slot by now: that one)
             hold.release()
+
+    def _refuse_strangers_in_mode_none(self, scope: Scope, whose: Whose) -> None:
+        """Auth mode none: only the local owner past the public paths. (A peer that is not loopback
+        at all is refused by `Authentication`, as `loopback_only`.)"""
+        if self.authenticator.mode != "none" or whose.local or scope.get("path") in self.authentication.public_paths:
+            return
+        if whose.forwarded:
+            raise Refusal(403, "forwarded_needs_auth", FORWARDED_NEEDS_AUTH)
+        if not whose.same_user:
+            raise Refusal(403, "other_user", OTHER_USER_NEEDS_AUTH)
 
     def _may_see_detail(self, principal: Principal | None) -> bool:
         """The rule of `/metrics`: a credential with the scope its path needs (any in mode none)."""
@@ -310,16 +346,144 @@ class SecurityGuard:
             raise
 
 
-_FORWARDED = (b"forwarded", b"x-forwarded-for", b"x-real-ip")
+FORWARDED_NEEDS_AUTH = (
+    "auth mode none serves only the owner on this machine, and this request was passed on by a reverse "
+    "proxy or tunnel for someone else (it carries Forwarded, X-Forwarded-For or X-Real-IP): behind a "
+    "proxy, turn on auth (--auth token, then `appserver token create`)"
+)
+OTHER_USER_NEEDS_AUTH = (
+    "auth mode none serves only the Unix user running the server (and root), and this connection "
+    "comes from another user of this machine: to share the server, turn on auth (--auth token, then "
+    "`appserver token create`)"
+)
+UNREADABLE_FORWARDING = (
+    "the forwarding headers a trusted proxy sent do not name the client's IP address "
+    "(Forwarded for=, X-Forwarded-For, X-Real-IP): configure the proxy to send it"
+)
 
 
-def _from_this_machine(scope: Scope) -> bool:
-    """A loopback peer that forwards nothing: on the server's own machine, where the home's files
-    (what the details name) are there to read anyway, and where `appserver channels status` asks
-    /readyz without a credential. A request a front end on this machine passes on says whose it
-    is in one of these headers, and is nobody's here (docs/security.md: a forwarder that adds
-    none makes every request look local)."""
-    client = scope.get("client")
-    if client is None or not is_loopback(str(client[0])):
-        return False
-    return not any(bytes(name).lower() in _FORWARDED for name, _ in scope.get("headers") or ())
+@dataclass(frozen=True, slots=True)
+class Whose:
+    """Who a request is from: the client address to count it by, whether it is the local owner (a
+    loopback client that nobody forwarded, or that a trusted proxy forwarded for a loopback
+    address) and whether it came through a front end at all."""
+
+    client: tuple[str, int] | None
+    local: bool
+    forwarded: bool
+    same_user: bool = True  # False: a loopback peer run by another Unix user of this machine
+
+
+class LocalOwner:
+    """The one rule of "this request is the server's owner, on this machine", for auth mode none, the
+    details of /readyz and WebSockets alike. A loopback peer is the owner unless the request says it
+    is someone else's: a front end on this machine that passes requests on names their client in
+    Forwarded, X-Forwarded-For or X-Real-IP. From a peer in `[server] trusted_proxies` those name
+    the client (all three kinds: uvicorn reads only X-Forwarded-For, so a proxy sending only the
+    others would make every client look like itself); from anyone else they make a request nobody's
+    on this machine."""
+
+    def __init__(self, trusted_proxies: list[str]) -> None:
+        self.proxies = TrustedProxies(trusted_proxies)
+        self._loopback = Memo()
+        self.owner_uids = frozenset({os.geteuid(), 0})  # the server's own Unix user, and root
+        # A connection's peer user, asked of the kernel once per connection (~0.1 ms): by transport.
+        self._peer_uids: weakref.WeakKeyDictionary[object, int | None] = weakref.WeakKeyDictionary()
+
+    def judge(self, scope: Scope, send: Send | None = None, *, check_user: bool = True) -> Whose:
+        """Raises a 400 Refusal when a trusted proxy's forwarding header names no readable address.
+        `send` (the server's own) tells the connection, whose peer's Unix user is looked up once
+        (unless `check_user` is False: then a loopback peer counts as the owner's)."""
+        client = scope.get("client")
+        forwarding = _forwarding_values(scope)
+        if not forwarding:
+            if not self._is_loopback(client):
+                return Whose(client, False, False)
+            same_user = not check_user or self._peer_is_owner(scope, send)
+            return Whose(client, same_user, False, same_user)
+        if not self.proxies or client is None:
+            return Whose(client, False, True)
+        try:
+            named = self._named_by_trusted_proxy(str(client[0]), forwarding)
+        except ValueError:
+            raise Refusal(400, "unreadable_forwarding", UNREADABLE_FORWARDING) from None
+        if not named:  # an untrusted peer: its headers are ignored, and it is nobody's here
+            return Whose(client, False, True)
+        port = int(client[1]) if client[0] == named[0] else 0
+        return Whose((named[0], port), all(self._is_loopback((host, 0)) for host in named), True)
+
+    def _named_by_trusted_proxy(self, client: str, forwarding: dict[bytes, str]) -> list[str]:
+        """The client addresses each forwarding header names, X-Forwarded-For's first; [] when the peer
+        is not a trusted proxy. (uvicorn has already replaced the peer by X-Forwarded-For's client when
+        the peer was trusted: then the two agree.)"""
+        xff = forwarding.get(b"x-forwarded-for")
+        if xff is not None:
+            try:
+                first = self.proxies.client_of(forwarded_list_hops(xff))
+            except ValueError:
+                return []  # uvicorn read it more leniently, or not at all: never the owner
+            if first != _normalised(client):
+                return []
+            named = [first]
+        elif client in self.proxies:
+            named = []
+        else:
+            return []
+        if (value := forwarding.get(b"forwarded")) is not None:
+            named.append(self.proxies.client_of(forwarded_for_hops(value)))
+        if (value := forwarding.get(b"x-real-ip")) is not None:
+            named.append(self.proxies.client_of(forwarded_list_hops(value)))
+        return named
+
+    def _peer_is_owner(self, scope: Scope, send: Send | None) -> bool:
+        """A loopback peer run by the server's Unix user or root (Linux); another user of this machine
+        is not the owner. Where the kernel does not say (not Linux), every loopback peer is."""
+        client, server = scope.get("client"), scope.get("server")
+        if client is None or server is None:
+            return True
+        connection = _connection_of(send)
+        if connection is None:
+            uid = tcp_peer_uid(client, server)
+        elif connection in self._peer_uids:
+            uid = self._peer_uids[connection]
+        else:
+            uid = self._peer_uids[connection] = tcp_peer_uid(client, server)
+        return uid is None or uid in self.owner_uids
+
+    def _is_loopback(self, client: tuple[str, int] | None) -> bool:
+        if client is None:
+            return False
+        host = str(client[0])
+        return self._loopback.check(host, lambda: is_loopback(host))
+
+
+def _forwarding_values(scope: Scope) -> dict[bytes, str]:
+    """Each forwarding header's values (several lines joined by commas, as one list), by name."""
+    found: dict[bytes, list[str]] = {}
+    for name, value in scope.get("headers") or ():
+        lname = bytes(name).lower()
+        if lname in FORWARDING_HEADERS:
+            found.setdefault(lname, []).append(bytes(value).decode("latin-1"))
+    return {name: ", ".join(values) for name, values in found.items()}
+
+
+def _connection_of(send: Send | None) -> object | None:
+    """The transport of the connection a server's `send` writes to (uvicorn's request cycle and
+    WebSocket protocol hold it), unwrapped to the one asyncio made; None when it cannot be told
+    or cannot be weakly referenced."""
+    held: object = getattr(getattr(send, "__self__", None), "transport", None)
+    transport: object = getattr(held, "raw", held)
+    if transport is None:
+        return None
+    try:
+        weakref.ref(transport)
+    except TypeError:
+        return None
+    return transport
+
+
+def _normalised(host: str) -> str:
+    try:
+        return forwarded_host(host)
+    except ValueError:
+        return host

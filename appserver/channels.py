@@ -46,6 +46,7 @@ from gateway.db import (
 )
 from gateway.pairing import Pairing, PairingError
 from gateway.split import DELIVER_MAX_CHARS, cap_text
+from gateway.sqlstore import open_pg
 from gateway.supervisor import DELIVER_COMMAND_TIMEOUT_S, Credential, GatewaySupervisor
 
 if TYPE_CHECKING:
@@ -225,12 +226,22 @@ class ChannelService:
             ],
             credential=lambda: mint_credential(self.config),
             intake=None if cluster is None else partial(self._intake_until, cluster),
+            store=partial(self._store_for_gateway, cluster),
         )
         log.info("channels: starting the gateway for %s", ", ".join(a.ref for a in accounts) or "no accounts")
         await self.supervisor.start()
         ok, detail = self.supervisor.readiness()
         if not ok:
             log.error("channels: not every account is running: %s", _describe(detail))
+
+    def _store_for_gateway(self, cluster: Cluster | None) -> dict[str, Any] | None:
+        """What the gateway child is told of the server's store (its start envelope): on PostgreSQL,
+        the URL (its tables live there too: gateway/sqlstore.py) and, for an instance of a cluster,
+        its id (its writes are fenced by `channel_owners`); None on SQLite (gateway.db in the home)."""
+        url = self.config.store.url.strip()
+        if not url:
+            return None
+        return {"url": url, "instance": cluster.instance_id if cluster is not None else None}
 
     async def _follow_leases(self, url: str, cluster: Cluster) -> None:
         """Run the accounts whose lease this server holds, and take over those of a server that
@@ -429,7 +440,17 @@ class LedgerUnavailable(Exception):
 
 
 @contextlib.contextmanager
-def _ledger(home: Path) -> Iterator[sqlite3.Connection]:
+def _ledger(home: Path, store_url: str = "") -> Iterator[sqlite3.Connection]:
+    if store_url.strip():  # the gateway's tables are in the server's PostgreSQL database (gateway/sqlstore.py)
+        try:
+            pg = open_pg(store_url.strip())
+        except (sqlite3.Error, ImportError) as exc:
+            raise LedgerUnavailable(f"cannot open the gateway tables in the PostgreSQL store: {exc}") from None
+        try:
+            yield pg  # type: ignore[misc]
+        finally:
+            pg.close()
+        return
     try:
         conn = open_db(default_path(home))
     except CorruptGatewayDB as exc:
@@ -444,9 +465,13 @@ def _ledger(home: Path) -> Iterator[sqlite3.Connection]:
         conn.close()
 
 
-def pairing_pending(home: Path) -> list[dict[str, Any]]:
-    """Pending channel pairing codes (the `pairing_list` frame); gateway.db is read directly. A
-    link to nothing is no "no ledger yet" (an empty list would hide the codes on its disk)."""
+def pairing_pending(home: Path, store_url: str = "") -> list[dict[str, Any]]:
+    """Pending channel pairing codes (the `pairing_list` frame); gateway.db is read directly (the
+    gateway tables, on a PostgreSQL store). A link to nothing is no "no ledger yet" (an empty list
+    would hide the codes on its disk)."""
+    if store_url.strip():
+        with _ledger(home, store_url) as conn:
+            return [p.to_json() for p in Pairing(conn).pending()]
     try:
         if not ledger_exists(default_path(home)):
             return []
@@ -456,9 +481,9 @@ def pairing_pending(home: Path) -> list[dict[str, Any]]:
         return [p.to_json() for p in Pairing(conn).pending()]
 
 
-def pairing_decide(home: Path, code: str, decision: str) -> dict[str, Any]:
+def pairing_decide(home: Path, code: str, decision: str, store_url: str = "") -> dict[str, Any]:
     """Approve or deny a code (the `pairing_decide` frame); a running gateway acts within a second."""
-    with _ledger(home) as conn:
+    with _ledger(home, store_url) as conn:
         pairing = Pairing(conn)
         try:
             decided = pairing.approve(code) if decision == "approve" else pairing.deny(code)

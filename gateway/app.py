@@ -72,6 +72,7 @@ PERMANENT_CODES = frozenset(
 ROUTE_METADATA_MAX = 2000
 SUBMIT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 NOTICE_EVERY_S = 600.0
+PROCESS_RETRIES = 20  # tries of a message's step the database refuses for now (`_process_until_done`)
 STATUS_FLUSH_S = 1.0
 PRUNE_EVERY_S = 3600.0  # settled ledger rows past their retention are deleted at start, then hourly
 MAX_HELD = 5  # messages kept per sender while their pairing is pending
@@ -387,7 +388,30 @@ class Gateway:
                 for batch in buffers.due():
                     await self._guarded(self._submit_batch(batch))
                 continue
-            await self._guarded(self._process(key, buffers))
+            await self._process_until_done(key, buffers)
+
+    async def _process_until_done(self, key: UpdateKey, buffers: Buffers) -> None:
+        """`_process`, tried again (its chat's later messages waiting behind it) while the database
+        refuses it for now (`sqlite3.OperationalError`: gateway.db busy past its timeout, the
+        PostgreSQL session lost, gateway/sqlstore.py): every step resumes from the message's row, so
+        a message acknowledged just before is answered once the database is back, not at the next
+        restart. Given up (logged) after PROCESS_RETRIES tries, as any other error is at once."""
+        for attempt in range(1, PROCESS_RETRIES + 1):
+            try:
+                await self._process(key, buffers)
+                return
+            except asyncio.CancelledError:
+                raise
+            except sqlite3.OperationalError as exc:
+                if attempt == PROCESS_RETRIES:
+                    log.exception("processing a message failed")
+                    return
+                delay = ledger_retry_delay(attempt)
+                log.error("%s: the database refused a step (%s); trying again in %g s", key, exc, delay)
+                await asyncio.sleep(delay)
+            except Exception:  # noqa: BLE001 - one bad message must not stop its chat
+                log.exception("processing a message failed")
+                return
 
     async def _guarded(self, step: Awaitable[None]) -> None:
         try:

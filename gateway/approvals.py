@@ -24,6 +24,7 @@ from typing import Any
 
 from gateway.db import transaction
 from gateway.recent import Recent
+from gateway.sqlstore import in_scope
 from plugins.contract import Target, is_grapheme_boundary, shorten
 
 SHORT_ID = 8
@@ -465,6 +466,8 @@ class ApprovalBoard:
         ).fetchall()
         found: list[Prompt] = []
         for row in rows:
+            if not in_scope(self._conn, *(str(row[1]).partition(":")[::2])):
+                continue  # a database other servers' gateways share: a prompt of an account run elsewhere
             if row[0] in self.prompts:
                 found.append(self.prompts[row[0]])
                 continue

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from appserver.sqlitewal import judged_while_still, read_wal_index, side_link_problem, wal_loss, wal_path
+from gateway.sqlstore import is_pg
 from plugins.contract import env_seconds
 from plugins.loader import atomic_write_text, move_aside
 
@@ -824,7 +825,13 @@ def transaction(conn: sqlite3.Connection, *, durable: bool = True) -> Iterator[s
     it (`NORMAL`, in WAL) the commit survives the process being killed but may be rolled back by a
     power loss, at a fortieth of the cost; the ledger uses that for the steps after receipt, whose
     loss only repeats a step (an idempotent submit, or a reply sent again). The gateway's own
-    connection first checks its file is still the one at the path (`_check_still_there`)."""
+    connection first checks its file is still the one at the path (`_check_still_there`). On the
+    server's PostgreSQL database (`gateway/sqlstore.py`) the same block is one PostgreSQL
+    transaction, under the gateway's write lock and fenced by the cluster's `channel_owners`."""
+    if is_pg(conn):
+        with conn.transaction() as pg:  # type: ignore[attr-defined]
+            yield pg
+        return
     _check_still_there(conn)
     conn.execute(f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}")
     conn.execute("BEGIN IMMEDIATE")

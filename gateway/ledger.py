@@ -40,7 +40,7 @@ import os
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -48,6 +48,7 @@ from typing import Any, Literal, cast
 from gateway.approvals import move_prompt_rows
 from gateway.db import open_db, transaction
 from gateway.routing import move_chat_keys
+from gateway.sqlstore import in_scope
 
 State = Literal["received", "allowed", "denied", "held", "submitted", "finished", "delivered", "failed"]
 Decision = Literal["allow", "deny", "pair"]
@@ -279,7 +280,8 @@ class Ledger:
                 " WHERE state='held' AND channel=? AND account=? AND sender=?",
                 (reason, self._clock(), channel, account, sender),
             )
-        released = [self.get(UpdateKey(channel, account, str(mid))) for (mid,) in rows]
+            # read back in the transaction (see `_move`): a retry after a lost read finds none held
+            released = [self.get(UpdateKey(channel, account, str(mid))) for (mid,) in rows]
         return [e for e in released if e is not None]
 
     def assign_batch(self, keys: Sequence[UpdateKey]) -> str:
@@ -315,7 +317,7 @@ class Ledger:
                 " AND state='allowed' AND sending IS NULL",
                 (mark, self._clock(), key.channel, key.account, key.message_id),
             )
-        return self._require(key)
+            return self._require(key)  # in the transaction, as `_move` reads back
 
     def note_command_answer(self, key: UpdateKey, answer: str) -> None:
         """A taken command's answer (in `reply`), before it is sent: a restart sends this same text
@@ -353,7 +355,7 @@ class Ledger:
             " AND sending IS NOT NULL ORDER BY id",
             _TELLING,
         ).fetchall()
-        return [e for e in map(_entry, rows) if e.owes_notice]
+        return [e for e in self._ours(map(_entry, rows)) if e.owes_notice]
 
     def _notice_mark(self, key: UpdateKey) -> str:
         return json.dumps({"part": notice_key(key), "at": self._clock()})
@@ -463,7 +465,7 @@ class Ledger:
         rows = self._conn.execute(
             f"SELECT {_COLUMNS} FROM ledger WHERE state='delivered' AND reason=? AND id>? ORDER BY id", (reason, seq)
         ).fetchall()
-        return [_entry(r) for r in rows]
+        return self._ours(map(_entry, rows))
 
     def last_admitted(self, channel: str, account: str, chat: str) -> Entry | None:
         """The newest message of `chat` that access let in (decided `allow`, or released by an
@@ -508,9 +510,10 @@ class Ledger:
     def last_failures(self) -> dict[tuple[str, str], tuple[str, str | None, float]]:
         """Per (channel, account), its most recent `failed` row: (message id, reason, when)."""
         rows = self._conn.execute(
-            # SQLite takes the bare columns from the row that holds the MAX
-            "SELECT channel, account, message_id, reason, MAX(updated_at) FROM ledger"
-            " WHERE state='failed' GROUP BY channel, account"
+            # the row that holds each account's latest failure (both backends: no bare columns beside a MAX)
+            "SELECT channel, account, message_id, reason, updated_at FROM ledger f WHERE state='failed'"
+            " AND updated_at = (SELECT MAX(l.updated_at) FROM ledger l WHERE l.state='failed'"
+            "  AND l.channel=f.channel AND l.account=f.account) ORDER BY id"
         ).fetchall()
         return {(channel, account): (message_id, reason, at) for channel, account, message_id, reason, at in rows}
 
@@ -522,12 +525,16 @@ class Ledger:
         `channeltool.reachable`, `last_admitted`), and the rows of a batch while any of its messages
         is not settled (`batch_of` reads them together)."""
         rows = self._conn.execute(
-            "SELECT id, received_at FROM ledger WHERE id > ? ORDER BY id LIMIT ?", (after, scan)
+            "SELECT id, received_at, channel, account FROM ledger WHERE id > ? ORDER BY id LIMIT ?", (after, scan)
         ).fetchall()
-        old = [row_id for row_id, _ in itertools.takewhile(lambda r: r[1] < before, rows)]
-        done = len(old) < len(rows) or len(rows) < scan
-        if not old:
+        aged = list(itertools.takewhile(lambda r: r[1] < before, rows))
+        # a database shared with other servers' gateways: only this one's accounts (theirs prune their own)
+        old = [row_id for row_id, _, channel, account in aged if in_scope(self._conn, channel, account)]
+        done = len(aged) < len(rows) or len(rows) < scan
+        if not aged:
             return 0, None
+        if not old:
+            return 0, None if done else aged[-1][0]
         settled = ",".join("?" * len(SETTLED))
         with transaction(self._conn, durable=False) as c:
             cur = c.execute(
@@ -542,11 +549,16 @@ class Ledger:
                 (*old, *SETTLED, before, *SETTLED),
             )
             deleted = cur.rowcount
-        return deleted, None if done else old[-1]
+        return deleted, None if done else aged[-1][0]
 
     def _in_state(self, state: State) -> list[Entry]:
         rows = self._conn.execute(f"SELECT {_COLUMNS} FROM ledger WHERE state=? ORDER BY id", (state,)).fetchall()
-        return [_entry(r) for r in rows]
+        return self._ours(map(_entry, rows))
+
+    def _ours(self, entries: Iterable[Entry]) -> list[Entry]:
+        """The entries of the accounts this gateway runs, when its database is shared with other
+        servers' gateways (`sqlstore.scope_of`); every entry of the home's own gateway.db."""
+        return [e for e in entries if in_scope(self._conn, e.key.channel, e.key.account)]
 
     def _require(self, key: UpdateKey) -> Entry:
         entry = self.get(key)
@@ -572,7 +584,9 @@ class Ledger:
                 ),
             )
             moved = cur.rowcount == 1
-        entry = self._require(key)
+            # read back in the same transaction: on PostgreSQL a read after the commit can fail (the
+            # session lost) and the caller's retry would find the move already made
+            entry = self._require(key)
         if not moved:
             raise LedgerStateError(f"{key}: cannot move from {entry.state} to {target}")
         return entry

@@ -19,16 +19,24 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gateway.accounts import AccountSpec
 from gateway.app import Gateway
-from gateway.db import CorruptGatewayDB, LedgerFileRefused, SchemaTooNew, default_path, record_opened_ledger
+from gateway.db import (
+    CorruptGatewayDB,
+    LedgerFileRefused,
+    SchemaTooNew,
+    default_path,
+    open_db,
+    record_opened_ledger,
+)
 from gateway.delivery import DeliveryFailed
 from gateway.intake import IntakeGate, ServerProcess
 from gateway.ledger import Ledger
 from gateway.link import ServerLink
 from gateway.redact import SecretMask, known_secrets, mask_stored
+from gateway.sqlstore import PgConnection, fence_exit, import_sqlite, open_pg, url_secrets
 from gateway.stdio import COMMAND_MAX_LINE, ControlWriter, Overlong, read_command
 
 log = logging.getLogger("gateway")
@@ -79,6 +87,7 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
         home = Path(str(start["home"]))
         specs = [AccountSpec.from_json(a) for a in start.get("accounts") or []]
         gate = _intake_gate(start.get("intake_until"), stdin)
+        store = _store_of(start.get("store"))
     except (TimeoutError, ValueError, KeyError, TypeError) as exc:
         log.error("no valid start envelope on stdin: %s", exc)
         return EXIT_BAD_START
@@ -87,14 +96,22 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
     mask.add_all(known_secrets(specs, home, os.environ))
     if isinstance(start.get("token"), str):
         mask.add("gateway credential", start["token"])
+    if store is not None:
+        for secret in url_secrets(store[0]):
+            mask.add("store password", secret)
 
     lock = await lock_ledger(home, control)  # held until this process exits
     if lock is None:
         return EXIT_BAD_START
-    ledger = _open_ledger(home, control)
-    if ledger is None:
-        return EXIT_BAD_START
-    record_opened_ledger(default_path(home).with_name("gateway.lock"), ledger.connection)  # see LedgerReplacedInUse
+    if store is None:
+        ledger = _open_ledger(home, control)
+        if ledger is None:
+            return EXIT_BAD_START
+        record_opened_ledger(default_path(home).with_name("gateway.lock"), ledger.connection)  # see LedgerReplacedInUse
+    else:
+        ledger = _open_pg_ledger(home, store, specs, control)
+        if ledger is None:
+            return EXIT_BAD_START
     mask_stored(ledger.connection, mask)  # a platform's error quoting a token, saved as a reason
     try:
         link = await asyncio.wait_for(ServerLink.open(str(start["url"]), start.get("token")), CONNECT_TIMEOUT_S)
@@ -112,6 +129,65 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
         await gateway.stop()
         await link.close()
         ledger.close()
+
+
+def _store_of(given: Any) -> tuple[str, str | None] | None:
+    """(URL, instance id) of the server's PostgreSQL store from the start envelope's `store`
+    (`{"url", "instance"}`), None for a server on SQLite: the gateway then keeps gateway.db."""
+    if given is None:
+        return None
+    if not isinstance(given, dict) or not isinstance(given.get("url"), str) or not given["url"].strip():
+        raise ValueError("store must be an object with a url")
+    instance = given.get("instance")
+    if instance is not None and not isinstance(instance, str):
+        raise ValueError("store.instance must be a string")
+    return given["url"], instance
+
+
+def _open_pg_ledger(
+    home: Path, store: tuple[str, str | None], specs: list[AccountSpec], control: ControlWriter
+) -> Ledger | None:
+    """The ledger in the server's PostgreSQL database (gateway/sqlstore.py): read for the accounts
+    this gateway runs, its writes fenced by the cluster's `channel_owners` when the server is an
+    instance of one. The home's gateway.db, if any, is imported once first (`import_sqlite`)."""
+    url, instance = store
+    try:
+        conn = open_pg(url, instance=instance, scope=[(s.channel, s.name) for s in specs], on_fenced=fence_exit)
+    except (sqlite3.Error, OSError, ImportError) as exc:
+        message = f"cannot open the gateway tables in the server's PostgreSQL database: {exc}"
+        log.error("%s", message)
+        control.event("gateway_error", {"message": message})
+        return None
+    _import_gateway_db(home, conn, control)
+    return Ledger(cast(sqlite3.Connection, conn))  # it runs the statements a sqlite3 connection runs
+
+
+def _import_gateway_db(home: Path, conn: PgConnection, control: ControlWriter) -> None:
+    """Copy the home's gateway.db (a server that ran on SQLite, or alone) into PostgreSQL, once.
+    A file that cannot be read is named and left as it is; the gateway starts without it."""
+    path = default_path(home)
+    try:
+        if not os.path.exists(path):  # (`ledger_exists` would see our own gateway.lock held)
+            return
+        source = open_db(path, gateway=True)
+    except (CorruptGatewayDB, SchemaTooNew, LedgerFileRefused, sqlite3.Error, OSError) as exc:
+        message = f"{path} was not imported into the PostgreSQL database: {exc}"
+        log.error("%s", message)
+        control.event("gateway_error", {"message": message})
+        return
+    try:
+        copied = import_sqlite(conn, source, home)
+    except sqlite3.Error as exc:
+        message = f"{path} was not imported into the PostgreSQL database: {exc}"
+        log.error("%s", message)
+        control.event("gateway_error", {"message": message})
+        return
+    finally:
+        source.close()
+    if copied is not None:
+        log.info(
+            "imported %d row(s) of %s into the PostgreSQL database (once; the file is no longer used)", copied, path
+        )
 
 
 def _intake_gate(until: Any, stdin: asyncio.StreamReader) -> IntakeGate:

@@ -25,6 +25,7 @@ from typing import Literal
 
 from appserver.client.hidden import shown
 from gateway.db import transaction
+from gateway.sqlstore import in_scope
 
 ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
 CODE_LENGTH = 8
@@ -175,7 +176,8 @@ class Pairing:
             " AND handled=0"
             " ORDER BY COALESCE(decided_at, expires_at)"
         ).fetchall()
-        return [_row(r) for r in rows]
+        # on a database other servers' gateways share, the codes of the accounts this one runs
+        return [p for p in map(_row, rows) if in_scope(self._conn, p.channel, p.account)]
 
     def mark_handled(self, code: str) -> None:
         with transaction(self._conn) as c:

@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import quote, quote_plus
 
 from gateway.accounts import AccountSpec, resolve_secrets
+from gateway.sqlstore import is_pg
 from plugins.contract import AccountError
 
 # A shorter value would mangle ordinary text wherever it occurs; a platform's token is far longer.
@@ -150,7 +151,11 @@ def mask_stored(conn: sqlite3.Connection, mask: SecretMask) -> None:
     (INSERT, UPDATE, an upsert's update), this connection's only, rewrites the new value with the
     mask as it stands then (an account hands over its secrets at each start) in the same
     transaction, so no reader ever sees a secret there. The rewrite fires no trigger again: its
-    value no longer differs from its mask (and `recursive_triggers` is off)."""
+    value no longer differs from its mask (and `recursive_triggers` is off). On PostgreSQL
+    (`gateway/sqlstore.py`) the same columns are masked in Python before a statement goes out."""
+    if is_pg(conn):
+        conn.mask = mask.redact  # type: ignore[attr-defined]
+        return
     conn.create_function("gateway_mask", 1, lambda v: mask.redact(v) if isinstance(v, str) else v)
     for table, column in MASKED_COLUMNS:
         for event, when in (("insert", "INSERT"), ("update", f"UPDATE OF {column}")):

@@ -13,6 +13,7 @@ from dataclasses import astuple, dataclass, replace
 from typing import Literal
 
 from gateway.db import transaction
+from gateway.sqlstore import scope_of
 
 Counter = Literal["messages_in", "turns", "replies", "failures"]
 FAILURE_REASON_MAX = 2000  # a receiver's answer is part of the reason: keep the row small
@@ -100,5 +101,7 @@ class StatusBoard:
 
     def mark_unconfigured(self, keep: set[tuple[str, str]]) -> None:
         """Accounts no longer configured show as stopped (their counters stay for the record)."""
+        if scope_of(self._conn) is not None:
+            return  # a database other servers' gateways share: the rows of accounts not run here are theirs
         stale = [s for s in self.all() if (s.channel, s.account) not in keep and s.state != "stopped"]
         self.save([replace(s, state="stopped", reason="not configured", updated_at=time.time()) for s in stale])

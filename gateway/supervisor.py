@@ -131,6 +131,7 @@ class GatewaySupervisor:
         ping_timeout: float | None = None,
         hung_kill: float | None = None,
         intake: Callable[[], float] | None = None,
+        store: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         def knob(given: float | None, name: str, default: float) -> float:
             return given if given is not None else _env_seconds(self._env, name, default)
@@ -157,6 +158,9 @@ class GatewaySupervisor:
         # A server of a cluster: until when (monotonic) a child starting now may take messages;
         # `vouch` moves it on. None: the child takes messages for as long as it runs.
         self._intake = intake
+        # A server on PostgreSQL: `{"url", "instance"}`, sent in the start envelope (stdin, never argv or
+        # a log line: the URL may carry a password); the child keeps its tables there (gateway/sqlstore.py).
+        self._store = store
         self._words: set[asyncio.Future[bool]] = set()  # the words said at a child's READY, in flight
         self._proc: asyncio.subprocess.Process | None = None
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
@@ -296,6 +300,9 @@ class GatewaySupervisor:
             }
             if self._intake is not None:
                 start["intake_until"] = self._intake()
+            store = self._store() if self._store is not None else None
+            if store is not None:
+                start["store"] = store
             proc.stdin.write((json.dumps(start) + "\n").encode())
             await proc.stdin.drain()
             relay = asyncio.ensure_future(self._relay_stderr(proc.stderr))

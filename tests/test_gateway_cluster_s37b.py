@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,13 +27,13 @@ import httpx
 import psycopg
 import pytest
 
-from gateway.db import default_path
 from plugins.webhook.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from tests.support.cli import cli_env
 from tests.support.gateway import (
     ChannelServer,
     WebhookReplies,
     gateway_children,
+    ledger_column,
     start_channel_server,
     write_config,
 )
@@ -112,10 +111,7 @@ def _answered_once(replies: WebhookReplies, ids: list[str], timeout: float = 40)
 
 
 def _ledger_ids(home: Path) -> set[str]:
-    if not default_path(home).exists():
-        return set()
-    with sqlite3.connect(f"file:{default_path(home)}?mode=ro", uri=True) as conn:
-        return {str(k) for (k,) in conn.execute("SELECT message_id FROM ledger").fetchall()}
+    return {str(k) for k in ledger_column(home, "message_id")}
 
 
 def _holder_pid(url: str) -> int | None:

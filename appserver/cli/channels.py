@@ -68,6 +68,7 @@ from gateway.debounce import DebounceError, DebounceSettings
 from gateway.ledger import Ledger
 from gateway.redact import SecretMask, account_mask
 from gateway.routing import ROOT, Route, RouteKey, Router
+from gateway.sqlstore import open_pg
 from gateway.status import AccountStatus, StatusBoard
 from plugins.loader import FIRST_PARTY, Manifest, discover
 
@@ -975,9 +976,18 @@ def _live_channels(url: str) -> dict[str, Any]:
 
 
 @contextmanager
-def _gateway_db(home: Path, *, create: bool) -> Iterator[sqlite3.Connection | None]:
+def _gateway_db(home: Path, *, create: bool, store_url: str = "") -> Iterator[sqlite3.Connection | None]:
     """gateway.db opened (and migrated); None when it does not exist and `create` is false (a link
-    to nothing is no "does not exist yet": LedgerFileRefused, naming the link and its target)."""
+    to nothing is no "does not exist yet": LedgerFileRefused, naming the link and its target). A home
+    whose store is PostgreSQL (`store_url`) keeps the gateway's tables there (gateway/sqlstore.py):
+    they are opened (and created) instead, every account's rows, with no fence (the owner's word)."""
+    if store_url.strip():
+        pg = open_pg(store_url.strip())
+        try:
+            yield pg  # type: ignore[misc]
+        finally:
+            pg.close()
+        return
     path = default_path(home)
     if not create and not ledger_exists(path):
         yield None
@@ -1146,7 +1156,7 @@ def status_cmd(as_json: bool) -> None:
     now = time.time()
     db_path = default_path(config.home)
     mask = _secret_mask(config)
-    with _gateway_db(config.home, create=False) as conn:
+    with _gateway_db(config.home, create=False, store_url=config.store.url) as conn:
         rows = StatusBoard(conn).all() if conn is not None else []
         counts = Ledger(conn).counts() if conn is not None else {}
         failures = _last_failures(Ledger(conn), StatusBoard(conn), mask) if conn is not None else {}
@@ -1300,7 +1310,7 @@ def route_add_cmd(key: str, agent: str, conversation: str | None) -> None:
     _require_agent(config, agent.strip())
     if conversation is not None:
         _require_conversation(config, agent.strip(), conversation.strip())
-    with _gateway_db(config.home, create=True) as conn:
+    with _gateway_db(config.home, create=True, store_url=config.store.url) as conn:
         assert conn is not None
         router = Router(conn)
         old = router.get(route_key)
@@ -1461,7 +1471,7 @@ def route_remove_cmd(key: str) -> None:
             raise Refused(f"bad route key {shown(key)}: a route key is channel:account:chat[:thread]", 2) from None
         _check_scope(route_key.channel, route_key.account, f"bad route key {shown(key)}: ")
     config = get_config()
-    with _gateway_db(config.home, create=False) as conn:
+    with _gateway_db(config.home, create=False, store_url=config.store.url) as conn:
         removed = _remove_route(Router(conn), route_key, key) if conn is not None else None
     if removed is None:
         raise Refused(f"no route at {route_key}")
@@ -1478,7 +1488,7 @@ def route_list_cmd(channel: str | None, account: str | None, as_json: bool) -> N
     """Routes, of one CHANNEL (and ACCOUNT) when given, ordered by key."""
     _check_scope(channel, account)
     config = get_config()
-    with _gateway_db(config.home, create=False) as conn:
+    with _gateway_db(config.home, create=False, store_url=config.store.url) as conn:
         routes = Router(conn).routes(channel, account) if conn is not None else []
     if as_json:
         print_json([_route_json(r) for r in routes])

@@ -44,7 +44,8 @@ def _ago(t: float) -> str:
 
 
 def _pairing(create: bool = True) -> AbstractContextManager[sqlite3.Connection | None]:
-    return _gateway_db(get_config().home, create=create)
+    config = get_config()
+    return _gateway_db(config.home, create=create, store_url=config.store.url)
 
 
 @click.group("pairing")

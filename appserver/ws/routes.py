@@ -450,11 +450,12 @@ class Endpoint:
                     "(token --agents), and a pairing opens a channel account's agents to its sender",
                 )
             home = self.server.config.home
+            store_url = self.server.config.store.url
             try:
                 if isinstance(frame, F.PairingList):
-                    results = await asyncio.to_thread(pairing_pending, home)
+                    results = await asyncio.to_thread(pairing_pending, home, store_url)
                 else:
-                    results = [await asyncio.to_thread(pairing_decide, home, frame.code, frame.decision)]
+                    results = [await asyncio.to_thread(pairing_decide, home, frame.code, frame.decision, store_url)]
             except PairingRefused as exc:
                 raise FrameError("invalid_request", str(exc), "code") from None
             except LedgerUnavailable as exc:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -172,10 +173,57 @@ def start_channel_server(
             except json.JSONDecodeError:
                 info = None
             if info and info.get("pid") == proc.pid:
+                _remember_instance(home, proc.pid, (env or {}).get("APPSERVER_STORE__URL", ""))
                 return ChannelServer(proc, home, info["url"], log_path)
         time.sleep(0.005)  # a start takes a few tens of milliseconds (tests/support/zygote.py)
     proc.kill()
     raise RuntimeError("serve did not write server.json in time")
+
+
+# home -> (database URL, cluster instance id) of a server started on PostgreSQL: its gateway keeps its
+# ledger in the database (gateway/sqlstore.py), each row saying which instance's gateway recorded it.
+_PG_HOMES: dict[Path, tuple[str, str]] = {}
+
+
+def _remember_instance(home: Path, pid: int, store_url: str) -> None:
+    if not store_url.strip():
+        return
+    import psycopg
+
+    from tests.support.pg import url_for
+
+    url = url_for(urlsplit(store_url).path.lstrip("/"))  # as the admin: the server's own role may be cut off
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT id FROM instances WHERE pid = %s ORDER BY started_at DESC", (pid,)).fetchone()
+    if row is not None:
+        _PG_HOMES[home] = (url, str(row[0]))
+
+
+def ledger_column(home: Path, column: str) -> list[Any]:
+    """`column` of every ledger row the gateway of `home`'s server recorded, oldest first: its
+    gateway.db, or, for a server on PostgreSQL, the rows of the shared `gateway_ledger` that its
+    instance's gateway recorded (`recorded_by`)."""
+    import sqlite3
+
+    from gateway.db import default_path
+
+    if home in _PG_HOMES:
+        import psycopg
+
+        url, instance = _PG_HOMES[home]
+        with psycopg.connect(url, autocommit=True) as conn:
+            exists = conn.execute("SELECT to_regclass('gateway_ledger') IS NOT NULL").fetchone()
+            if not (exists and exists[0]):
+                return []
+            rows = conn.execute(
+                f"SELECT {column} FROM gateway_ledger WHERE recorded_by = %s ORDER BY id",
+                (f"appserver gateway {instance}",),
+            ).fetchall()
+        return [r[0] for r in rows]
+    if not default_path(home).exists():
+        return []
+    with sqlite3.connect(f"file:{default_path(home)}?mode=ro", uri=True) as conn:
+        return [r[0] for r in conn.execute(f"SELECT {column} FROM ledger ORDER BY id").fetchall()]
 
 
 @contextmanager

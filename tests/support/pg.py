@@ -61,7 +61,9 @@ def temp_database(label: str) -> Iterator[str]:
     from psycopg import sql
 
     require_postgres()
-    name = f"appserver_test_{label}_{uuid.uuid4().hex[:10]}".lower()
+    # APPSERVER_TEST_DB_PREFIX: another prefix for the databases made (a shared machine's naming rules)
+    prefix = os.environ.get("APPSERVER_TEST_DB_PREFIX") or "appserver_test"
+    name = f"{prefix}_{label}_{uuid.uuid4().hex[:10]}".lower()
     with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     try:

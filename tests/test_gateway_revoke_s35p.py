@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from appserver.cli.pairing import APPLIED_WAIT_S
 from appserver.client import ProtocolClient
 from gateway.db import default_path, gateway_running
 from gateway.delivery import ChatOrder
@@ -200,7 +201,7 @@ def test_a_revoke_while_the_gateway_child_restarts_returns_once_the_queued_turn_
             f"the revoked sender's queued message reached the agent after `pairing revoke` returned"
             f" in {took:.2f} s (stderr {revoked.err!r})"
         )
-        assert "warning" not in revoked.err and took < 5.0, (took, revoked.err)
+        assert "warning" not in revoked.err and took < APPLIED_WAIT_S, (took, revoked.err)
         assert "note: the gateway was down" in revoked.err, revoked.err  # a turn started meanwhile would have run
         assert settled_row(srv.home, queued, 15, "the queued message to settle") == ("failed", BEFORE_START)
         made, applied = revoke_counts(srv.home)
@@ -211,7 +212,7 @@ def test_a_revoke_while_the_gateway_child_restarts_returns_once_the_queued_turn_
 def test_a_revoke_no_gateway_comes_back_for_in_time_says_so_and_the_started_turn_says_it_started(
     tmp_path: Path,
 ) -> None:
-    with FakeSlack() as slack, _server(tmp_path, slack, backoff_s=9) as srv:
+    with FakeSlack() as slack, _server(tmp_path, slack, backoff_s=APPLIED_WAIT_S + 4) as srv:
         queued = paused_with_one_queued(srv, slack, "UV", "D-v", "QUEUED-K1B for the agent")
 
         async def revoke_while_down() -> tuple[CLIResult, float]:
@@ -232,7 +233,7 @@ def test_a_revoke_no_gateway_comes_back_for_in_time_says_so_and_the_started_turn
         revoked, took = asyncio.run(revoke_while_down())
         assert revoked.code == 0 and "Revoked UV (1 account)." in revoked.out, (revoked.out, revoked.err)
         assert DOWN_WARNING in revoked.err and "may still be answered" in revoked.err, (took, revoked.err)
-        assert 4.5 <= took < 9, took  # the bounded wait, not the restart's
+        assert APPLIED_WAIT_S - 0.5 <= took < APPLIED_WAIT_S + 4, took  # the bounded wait, not the restart's
         assert store_turns(srv.home, "QUEUED-K1B") == 1  # it did start: the warning was true
         srv.wait_channels_ready(timeout=30, restarts=1)
         # the restarted gateway acts on the revoke, refusing the turn the server ran, and says it started

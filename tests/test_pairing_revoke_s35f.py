@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from appserver.cli.pairing import APPLIED_WAIT_S
 from appserver.client import ProtocolClient
 from gateway.db import default_path, open_db
 from gateway.pairing import Pairing
@@ -122,7 +123,7 @@ def test_a_revoke_followed_at_once_by_the_end_of_the_turn_ahead_never_starts_the
         assert store_turns(srv.home, "QUEUED-F1") == 0, "the revoked sender's queued message reached the agent"
         assert settled_row(srv.home, queued, 10, "the queued message to settle") == ("failed", BEFORE_START)
         # the command returned once the gateway had acted on it, well within its bounded wait
-        assert "warning" not in revoked.err and took < 5.0, (took, revoked.err)
+        assert "warning" not in revoked.err and took < APPLIED_WAIT_S, (took, revoked.err)
         conn = sqlite3.connect(f"file:{default_path(srv.home)}?mode=ro", uri=True)
         try:
             made, applied = conn.execute("SELECT made, applied FROM pairing_revokes").fetchone()

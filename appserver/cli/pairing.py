@@ -34,7 +34,8 @@ from gateway.pairing import Pairing, PairingCode, PairingError
 if TYPE_CHECKING:
     from cron.store import CronTask
 
-APPLIED_WAIT_S = 5.0  # how long `revoke` waits for a gateway to act on it (a restarting one included)
+# how long `revoke` waits for a gateway to act on it (a restarting one: slow to start on a small or busy machine)
+APPLIED_WAIT_S = 10.0
 APPLIED_LOOK_S = 0.02
 
 

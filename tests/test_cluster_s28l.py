@@ -216,7 +216,8 @@ async def test_a_holder_that_counts_a_new_server_publishes_the_running_turns_it_
     follower = PostgresStore(db)
     await follower.open()
     try:
-        sub = await holder.kernel.submit(SubmitRequest(agent="assistant", input=f"/slow {WORDS}", conversation="new"))
+        # 30 s of words: on a slow, loaded machine A's heartbeat counted B after an 8 s turn had ended
+        sub = await holder.kernel.submit(SubmitRequest(agent="assistant", input="/slow 600", conversation="new"))
         heard: list[tuple[str, str]] = []  # (turn id, status) of each snapshot published
 
         async def on_message(op: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -230,7 +231,7 @@ async def test_a_holder_that_counts_a_new_server_publishes_the_running_turns_it_
         follower.cluster.handle(on_message, on_notice)
         await follower.cluster.note_following([sub.conversation_id], 15)
         await wait_until(
-            lambda: len(heard) >= 5 or sub.handle.controller.status != "running", 20, "published snapshots"
+            lambda: len(heard) >= 5 or sub.handle.controller.status != "running", 35, "published snapshots"
         )
         assert heard[:5] == [(sub.turn_id, "running")] * 5, heard
         assert sub.handle.controller.status == "running"  # heard while it ran, not only its end

@@ -103,7 +103,7 @@ def _accepted(port: int, message_id: str, timeout: float = 40) -> None:
     _wait(lambda: _status(port, message_id) in (200, 202), timeout, f"{message_id} was never accepted")
 
 
-def _answered_once(replies: WebhookReplies, ids: list[str], timeout: float = 40) -> None:
+def _answered_once(replies: WebhookReplies, ids: list[str], timeout: float = 90) -> None:
     _wait(lambda: all(replies.reply_ids(i) for i in ids), timeout, "not every accepted message was answered")
     time.sleep(1.0)  # a second answer would come soon after the first
     twice = {i: replies.reply_ids(i) for i in ids if len(replies.reply_ids(i)) != 1}

@@ -161,6 +161,7 @@ class Cluster:
         self._left = False  # judged gone, its row and leases were deleted (`_leave`)
         self._held: dict[str, str] = {}  # conversation id -> token of each lease taken and not let go
         self._up_since: float | None = None  # when the session was (re)connected
+        self._returned = False  # its session was taken again, or its heartbeat renewed after a gap
         self._down_since: float | None = None  # when it was lost, while it is
         self._beat_ok = time.monotonic()  # when the heartbeat was last renewed (or the session taken)
         self._beat_db = 0.0  # the database time of that renewal
@@ -208,11 +209,18 @@ class Cluster:
         renewed after such a gap, each heartbeat counts from no earlier than that moment (`back`):
         after an outage of the whole database longer than the timeout every heartbeat is stale, and
         the first server back judged all the others gone (each of them fenced) before their
-        sessions were back too. And until it has been back for a few heartbeats, only by the
-        timeout: the others' sessions (and locks) come back after it."""
+        sessions were back too. And until it has been up for a few heartbeats, only by the
+        timeout; back after a loss or a gap, for its whole timeout: the others' sessions (and
+        locks) come back after its own, as late as a loaded host makes them (a lock-free grace
+        from a few heartbeats on fenced a live peer whose session came back 0.7 s after this
+        one's, at 0.2 s heartbeats); one not back by then is gone by its timeout. (A server just
+        started keeps the few heartbeats: a killed one it replaces is taken over in seconds.)"""
         grace = self.heartbeat_s * 2.5
         now = time.monotonic()
-        settled = self._up_since is not None and now - self._up_since >= grace + self.heartbeat_s
+        unsettled_s = grace + self.heartbeat_s
+        if self._returned:
+            unsettled_s = max(unsettled_s, self.instance_timeout_s)
+        settled = self._up_since is not None and now - self._up_since >= unsettled_s
         away = self._up_since is None or now - self._beat_ok > self.trust_s
         timeout = self.instance_timeout_s
         return {
@@ -233,6 +241,7 @@ class Cluster:
         if max(at - self._beat_db, now - self._beat_ok) > self.trust_s:
             self._back_at = at
             self._up_since = now
+            self._returned = True
         self._beat_db = at
 
     @property
@@ -357,7 +366,7 @@ class Cluster:
                     # The others' heartbeats count from now (`back`) only after a gap that matters
                     # (`_renewed`): taken again after every short loss (a database that keeps ending
                     # sessions), a killed server was never judged gone. The lock-free grace waits a
-                    # few heartbeats again after any (`_up_since`, below): the others' sessions, ended
+                    # timeout again after any (`_up_since`, below): the others' sessions, ended
                     # with this one (a restart of the database), come back after it.
                     self._renewed(float(row["heartbeat_at"]))
             else:
@@ -384,6 +393,7 @@ class Cluster:
             raise
         self._session = conn
         self._up_since = self._beat_ok = time.monotonic()
+        self._returned = self._returned or again
         self._down_since = None
         await self._count_peers(conn)
 

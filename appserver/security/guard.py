@@ -174,7 +174,7 @@ class SecurityGuard:
             check_query(scope)
             # Whose Unix user a loopback peer is matters in mode none, and for /readyz's details.
             public = scope.get("path") in self.authentication.public_paths
-            whose = self.owner.judge(scope, server_send, check_user=self.authenticator.mode == "none" or public)
+            whose = self.owner.judge(scope, hdrs, server_send, check_user=self.authenticator.mode == "none" or public)
             if whose.client != scope.get("client"):  # a trusted proxy named it in Forwarded/X-Real-IP
                 scope = {**scope, "client": whose.client}
             self._refuse_strangers_in_mode_none(scope, whose)
@@ -390,12 +390,13 @@ class LocalOwner:
         # A connection's peer user, asked of the kernel once per connection (~0.1 ms): by transport.
         self._peer_uids: weakref.WeakKeyDictionary[object, int | None] = weakref.WeakKeyDictionary()
 
-    def judge(self, scope: Scope, send: Send | None = None, *, check_user: bool = True) -> Whose:
+    def judge(self, scope: Scope, hdrs: Headers, send: Send | None = None, *, check_user: bool = True) -> Whose:
         """Raises a 400 Refusal when a trusted proxy's forwarding header names no readable address.
         `send` (the server's own) tells the connection, whose peer's Unix user is looked up once
-        (unless `check_user` is False: then a loopback peer counts as the owner's)."""
+        (unless `check_user` is False: then a loopback peer counts as the owner's). `hdrs`: the
+        request's guarded headers (`guarded_headers`), the forwarding ones among them."""
         client = scope.get("client")
-        forwarding = _forwarding_values(scope)
+        forwarding = _forwarding_values(hdrs)
         if not forwarding:
             if not self._is_loopback(client):
                 return Whose(client, False, False)
@@ -457,14 +458,11 @@ class LocalOwner:
         return self._loopback.check(host, lambda: is_loopback(host))
 
 
-def _forwarding_values(scope: Scope) -> dict[bytes, str]:
+def _forwarding_values(hdrs: Headers) -> dict[bytes, str]:
     """Each forwarding header's values (several lines joined by commas, as one list), by name."""
-    found: dict[bytes, list[str]] = {}
-    for name, value in scope.get("headers") or ():
-        lname = bytes(name).lower()
-        if lname in FORWARDING_HEADERS:
-            found.setdefault(lname, []).append(bytes(value).decode("latin-1"))
-    return {name: ", ".join(values) for name, values in found.items()}
+    return {
+        name: ", ".join(value.decode("latin-1") for value in hdrs[name]) for name in FORWARDING_HEADERS if name in hdrs
+    }
 
 
 def _connection_of(send: Send | None) -> object | None:

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import re
 
+from appserver.netaddr import FORWARDING_HEADERS
 from appserver.security.asgi import CLOSE, Refusal, Scope
 
 Headers = dict[bytes, list[bytes]]
 
-GUARDED_HEADERS = frozenset(
-    {
-        b"host",
-        b"origin",
-        b"authorization",
-        b"content-length",
-        b"access-control-request-method",
-        b"access-control-request-headers",
-    }
-)
+# The forwarding headers are read in the same pass: whether a front end forwarded it (LocalOwner).
+GUARDED_HEADERS = FORWARDING_HEADERS | {
+    b"host",
+    b"origin",
+    b"authorization",
+    b"content-length",
+    b"access-control-request-method",
+    b"access-control-request-headers",
+}
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 

@@ -101,12 +101,13 @@ def _all_ready(nodes: list[ServeProcess]) -> None:
 
 
 @contextmanager
-def _sessions_kept_away(url: str) -> Iterator[psycopg.Connection[Any]]:
-    """Every session and pooled connection of the database ended, and each instance's lock taken by
-    a connection of the test's own (so the sessions cannot come back) before connections are
-    allowed again: the pools reconnect, the sessions not. Yields that connection; the locks go with it."""
+def _sessions_kept_away(url: str, pids: tuple[int, ...] = ()) -> Iterator[psycopg.Connection[Any]]:
+    """Every session and pooled connection of the database ended, and each instance's lock (only
+    those of the servers `pids`, when given) taken by a connection of the test's own (so those
+    sessions cannot come back) before connections are allowed again: the pools reconnect, those
+    sessions not. Yields that connection; the locks go with it."""
     db = url.rsplit("/", 1)[1]
-    locks = _query(url, "SELECT lock_key FROM instances")
+    locks = [(key,) for key, pid in _query(url, "SELECT lock_key, pid FROM instances") if not pids or pid in pids]
     with psycopg.connect(url, autocommit=True) as lingering:
         lingering.execute("SET lock_timeout = '20s'")
         with psycopg.connect(url_for("postgres"), autocommit=True) as c:

@@ -6,6 +6,7 @@ what "loopback" and "the listen host" mean.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import re
 import socket
@@ -304,8 +305,16 @@ _NLMSG_HEADER = struct.Struct("=IHHII")
 _DIAG_REQUEST = struct.Struct("=BBBxI")  # family, protocol, ext, states
 _DIAG_SOCKID = struct.Struct(">HH16s16s")  # sport, dport, src, dst (then if, cookie: native order)
 _DIAG_TAIL = struct.Struct("=III")
+_DIAG_STATE_AT = _NLMSG_HEADER.size + 1  # inet_diag_msg: family, state, timer, retrans, then the id
 _DIAG_UID_AT = _NLMSG_HEADER.size + 4 + _DIAG_SOCKID.size + _DIAG_TAIL.size + 12  # after expires, queues
+_DIAG_INODE_AT = _DIAG_UID_AT + 4
+_NLMSG_ERROR = 2
+_TCP_TIME_WAIT, _TCP_CLOSE = 6, 7
 _NO_COOKIE = 0xFFFFFFFF
+# `tcp_peer_uid`: the far end is no more. Its owner closed it (TIME_WAIT, where the kernel reports
+# uid 0, root; or orphaned: no file holds it) or reset it (no such socket), possibly right after
+# sending a whole request, which the server still reads: nobody's, never the owner's.
+PEER_GONE = -1
 
 
 def _diag_address(host: str) -> tuple[int, bytes] | None:
@@ -314,6 +323,8 @@ def _diag_address(host: str) -> tuple[int, bytes] | None:
         addr = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
     except ValueError:
         return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped  # an IPv4 client of a dual-stack listener: its own socket is IPv4
     if isinstance(addr, ipaddress.IPv6Address):
         return socket.AF_INET6, addr.packed
     return socket.AF_INET, addr.packed.ljust(16, b"\0")
@@ -322,8 +333,8 @@ def _diag_address(host: str) -> tuple[int, bytes] | None:
 def tcp_peer_uid(peer: tuple[str, int], server: tuple[str, int]) -> int | None:
     """The Unix user owning the far end of a TCP connection whose both ends are on this machine,
     asked of the kernel (Linux sock_diag: the socket whose local end is `peer` and remote end
-    `server`). None where that cannot be read: not Linux, netlink refused, the peer on another
-    machine or gone."""
+    `server`). `PEER_GONE` when the kernel says that end is closed or gone; None where the kernel
+    cannot be asked (not Linux, netlink refused, not an IP address)."""
     src, dst = _diag_address(str(peer[0])), _diag_address(str(server[0]))
     if src is None or dst is None or src[0] != dst[0] or not hasattr(socket, "AF_NETLINK"):
         return None
@@ -340,6 +351,16 @@ def tcp_peer_uid(peer: tuple[str, int], server: tuple[str, int]) -> int | None:
             reply = nl.recv(8192)
     except OSError:
         return None
-    if len(reply) < _DIAG_UID_AT + 4 or _NLMSG_HEADER.unpack_from(reply)[1] != _SOCK_DIAG_BY_FAMILY:
-        return None  # NLMSG_ERROR: no such socket (the peer is not on this machine, or gone)
-    return int(struct.unpack_from("=I", reply, _DIAG_UID_AT)[0])
+    if len(reply) < _NLMSG_HEADER.size:
+        return None
+    kind = _NLMSG_HEADER.unpack_from(reply)[1]
+    if kind == _NLMSG_ERROR and len(reply) >= _NLMSG_HEADER.size + 4:
+        errno_ = -struct.unpack_from("=i", reply, _NLMSG_HEADER.size)[0]
+        return PEER_GONE if errno_ == errno.ENOENT else None  # else: this kernel cannot tell (no inet_diag)
+    if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < _DIAG_INODE_AT + 4:
+        return None
+    state = reply[_DIAG_STATE_AT]
+    uid, inode = struct.unpack_from("=II", reply, _DIAG_UID_AT)
+    if state in (_TCP_TIME_WAIT, _TCP_CLOSE) or inode == 0:
+        return PEER_GONE
+    return int(uid)

@@ -57,6 +57,7 @@ from appserver.http.requestid import HEADER as REQUEST_ID_HEADER
 from appserver.http.requestid import begin_request, end_request
 from appserver.netaddr import (
     FORWARDING_HEADERS,
+    PEER_GONE,
     BindRefused,
     TrustedProxies,
     check_bind_allowed,
@@ -255,10 +256,10 @@ class SecurityGuard:
         at all is refused by `Authentication`, as `loopback_only`.)"""
         if self.authenticator.mode != "none" or whose.local or scope.get("path") in self.authentication.public_paths:
             return
-        if whose.forwarded:
-            raise Refusal(403, "forwarded_needs_auth", FORWARDED_NEEDS_AUTH)
         if not whose.same_user:
             raise Refusal(403, "other_user", OTHER_USER_NEEDS_AUTH)
+        if whose.forwarded:
+            raise Refusal(403, "forwarded_needs_auth", FORWARDED_NEEDS_AUTH)
 
     def _may_see_detail(self, principal: Principal | None) -> bool:
         """The rule of `/metrics`: a credential with the scope its path needs (any in mode none)."""
@@ -389,34 +390,44 @@ class LocalOwner:
         self.owner_uids = frozenset({os.geteuid(), 0})  # the server's own Unix user, and root
         # A connection's peer user, asked of the kernel once per connection (~0.1 ms): by transport.
         self._peer_uids: weakref.WeakKeyDictionary[object, int | None] = weakref.WeakKeyDictionary()
+        self._peers: weakref.WeakKeyDictionary[object, tuple[str, int] | None] = weakref.WeakKeyDictionary()
 
     def judge(self, scope: Scope, hdrs: Headers, send: Send | None = None, *, check_user: bool = True) -> Whose:
         """Raises a 400 Refusal when a trusted proxy's forwarding header names no readable address.
-        `send` (the server's own) tells the connection, whose peer's Unix user is looked up once
-        (unless `check_user` is False: then a loopback peer counts as the owner's). `hdrs`: the
-        request's guarded headers (`guarded_headers`), the forwarding ones among them."""
+        `hdrs`: the request's guarded headers (`guarded_headers`), the forwarding ones among them.
+        `send` (the server's own) tells the connection: its TCP peer (uvicorn has put a trusted
+        proxy's X-Forwarded-For client in `scope["client"]`: whether the peer is trusted is judged
+        by the peer itself) and that peer's Unix user, looked up once (unless `check_user` is
+        False: then a loopback peer counts as the owner's)."""
         client = scope.get("client")
+        connection = _connection_of(send)
+        peer = self._peer_of(connection, client)
         forwarding = _forwarding_values(hdrs)
         if not forwarding:
-            if not self._is_loopback(client):
+            if peer is None or not self._is_loopback(peer):
                 return Whose(client, False, False)
-            same_user = not check_user or self._peer_is_owner(scope, send)
+            same_user = not check_user or self._peer_is_owner(peer, scope.get("server"), connection)
             return Whose(client, same_user, False, same_user)
-        if not self.proxies or client is None:
-            return Whose(client, False, True)
+        if client is None or peer is None or str(peer[0]) not in self.proxies:
+            return Whose(client, False, True)  # its headers are ignored, and it is nobody's here
         try:
-            named = self._named_by_trusted_proxy(str(client[0]), forwarding)
+            named = self._named_by_proxy(str(client[0]), forwarding)
         except ValueError:
             raise Refusal(400, "unreadable_forwarding", UNREADABLE_FORWARDING) from None
-        if not named:  # an untrusted peer: its headers are ignored, and it is nobody's here
+        if not named:
             return Whose(client, False, True)
         port = int(client[1]) if client[0] == named[0] else 0
-        return Whose((named[0], port), all(self._is_loopback((host, 0)) for host in named), True)
+        local = all(self._is_loopback((host, 0)) for host in named)
+        # A trusted proxy on this machine is a loopback peer too: another Unix user sending the
+        # headers itself would pose as the proxy forwarding the owner.
+        same_user = not (local and check_user) or self._peer_is_owner(peer, scope.get("server"), connection)
+        return Whose((named[0], port), local and same_user, True, same_user)
 
-    def _named_by_trusted_proxy(self, client: str, forwarding: dict[bytes, str]) -> list[str]:
-        """The client addresses each forwarding header names, X-Forwarded-For's first; [] when the peer
-        is not a trusted proxy. (uvicorn has already replaced the peer by X-Forwarded-For's client when
-        the peer was trusted: then the two agree.)"""
+    def _named_by_proxy(self, client: str, forwarding: dict[bytes, str]) -> list[str]:
+        """The client addresses each forwarding header of a trusted proxy's request names,
+        X-Forwarded-For's first; [] when uvicorn read X-Forwarded-For otherwise (`client`, which
+        it put in the scope, is that header's client: the two must agree)."""
+        named: list[str] = []
         xff = forwarding.get(b"x-forwarded-for")
         if xff is not None:
             try:
@@ -425,30 +436,37 @@ class LocalOwner:
                 return []  # uvicorn read it more leniently, or not at all: never the owner
             if first != _normalised(client):
                 return []
-            named = [first]
-        elif client in self.proxies:
-            named = []
-        else:
-            return []
+            named.append(first)
         if (value := forwarding.get(b"forwarded")) is not None:
             named.append(self.proxies.client_of(forwarded_for_hops(value)))
         if (value := forwarding.get(b"x-real-ip")) is not None:
             named.append(self.proxies.client_of(forwarded_list_hops(value)))
         return named
 
-    def _peer_is_owner(self, scope: Scope, send: Send | None) -> bool:
-        """A loopback peer run by the server's Unix user or root (Linux); another user of this machine
-        is not the owner. Where the kernel does not say (not Linux), every loopback peer is."""
-        client, server = scope.get("client"), scope.get("server")
-        if client is None or server is None:
-            return True
-        connection = _connection_of(send)
+    def _peer_of(self, connection: object | None, client: tuple[str, int] | None) -> tuple[str, int] | None:
+        """The connection's TCP peer (asked of its transport once per connection), or `client`
+        where the connection cannot be told (an ASGI server other than uvicorn's)."""
         if connection is None:
-            uid = tcp_peer_uid(client, server)
+            return client
+        known = self._peers.get(connection)
+        if known is None:
+            address = getattr(connection, "get_extra_info", lambda _name: None)("peername")
+            known = self._peers[connection] = (str(address[0]), int(address[1])) if address else client
+        return known
+
+    def _peer_is_owner(self, peer: tuple[str, int], server: tuple[str, int] | None, connection: object | None) -> bool:
+        """A loopback peer run by the server's Unix user or root (Linux); another user of this machine
+        is not the owner, nor a peer the kernel says is closed or gone (`PEER_GONE`: a request sent
+        and hung up on at once). Where the kernel cannot say (not Linux), every loopback peer is."""
+        if server is None:
+            return True
+        if connection is None:  # no connection to ask about (not uvicorn's): only a uid found counts
+            uid = tcp_peer_uid(peer, server)
+            uid = None if uid == PEER_GONE else uid
         elif connection in self._peer_uids:
             uid = self._peer_uids[connection]
         else:
-            uid = self._peer_uids[connection] = tcp_peer_uid(client, server)
+            uid = self._peer_uids[connection] = tcp_peer_uid(peer, server)
         return uid is None or uid in self.owner_uids
 
     def _is_loopback(self, client: tuple[str, int] | None) -> bool:

@@ -630,15 +630,23 @@ class Scheduler:
 
     def _runs_to_withdraw(self, state: CronFile) -> list[tuple[tuple[str, int], str, str]]:
         """The runs followed here whose task was removed or disabled since (key, turn, why): each
-        is dropped from its conversation's queue if it has not started (`_withdraw_runs`)."""
+        is dropped from its conversation's queue if it has not started (`_withdraw_runs`); not
+        one asked by hand (`cron run`) of a task disabled before it was asked (`CronTask.drops_run`)."""
         if self.withdraw is None or not self._turn_of:
             return []
         tasks = {t.id: t for t in state.tasks}
         found = []
         for key, turn_id in self._turn_of.items():
             task = tasks.get(key[0])
-            if (task is None or not task.enabled) and turn_id not in self._withdrawn:
-                found.append((key, turn_id, NOT_STARTED_REMOVED if task is None else NOT_STARTED_DISABLED))
+            if turn_id in self._withdrawn or (task is not None and task.enabled):
+                continue
+            if task is None:
+                found.append((key, turn_id, NOT_STARTED_REMOVED))
+                continue
+            # (a run asked by hand after the task was disabled goes ahead: `CronTask.drops_run`)
+            claim = next((c for c in task.claim_records() if c.get("occurrence") == key[1]), None)
+            if task.drops_run(claim):
+                found.append((key, turn_id, NOT_STARTED_DISABLED))
         return found
 
     async def _withdraw_runs(self) -> None:

@@ -190,7 +190,8 @@ class CronService:
                 task_id, occurrence, turn_id, target, not_delivered=why_not, before_delivery=self._channels_up
             )
             watched += 1
-            stopped = NOT_STARTED_REMOVED if removed else NOT_STARTED_DISABLED if task and not task.enabled else None
+            disabled = task is not None and task.drops_run(turn.source)  # (not a run asked by hand since)
+            stopped = NOT_STARTED_REMOVED if removed else NOT_STARTED_DISABLED if disabled else None
             if stopped is not None and turn.status == "queued":
                 # removed or disabled while no server ran: dropped now, before its queue reaches it
                 await self.scheduler.withdraw_run(task_id, occurrence, turn_id, stopped)
@@ -205,17 +206,19 @@ class CronService:
         recovery above runs later, after a run queued behind a turn the stop cut off had begun.
         Tasks that cannot be read hold nothing back (logged): the runs go on, as a scheduler that
         cannot read them lets them."""
-        runs = {t.id: task_id for t in turns if (task_id := task_run_of(t)) is not None}
+        runs = {t.id: (task_id, t.source) for t in turns if (task_id := task_run_of(t)) is not None}
         if not runs:
             return {}
         tasks = await asyncio.to_thread(self._current_tasks, "check the queued runs a start takes up")
         if tasks is None:
             return {}
         held: dict[str, str] = {}
-        for turn_id, task_id in runs.items():
+        for turn_id, (task_id, source) in runs.items():
             task = tasks.get(task_id)
-            if task is None or not task.enabled:
-                held[turn_id] = NOT_STARTED_REMOVED if task is None else NOT_STARTED_DISABLED
+            if task is None:
+                held[turn_id] = NOT_STARTED_REMOVED
+            elif task.drops_run(source):  # (a run asked by hand after it was disabled goes ahead)
+                held[turn_id] = NOT_STARTED_DISABLED
         if self._recovery is None or not self._recovery.done():
             self._held.update(held)
         return held

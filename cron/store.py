@@ -462,6 +462,21 @@ class CronTask:
             origin=origin,
         )
 
+    def drops_run(self, record: Any) -> bool:
+        """Whether a queued run of this task, which still exists, is dropped before it starts for
+        the task being disabled (NOT_STARTED_DISABLED). `record` is the run's occurrence as its
+        claim or its turn's `source` holds it. Every run of a disabled task is, except one asked
+        by hand (`cron run`: a `manual` occurrence) after the task was last changed: the operator
+        asked for it knowing the task was disabled, and it runs once, as it does when its
+        conversation is idle (a claim by hand stamps the task as changed at the claim's time, so a
+        disable after it, or again, drops it)."""
+        if self.enabled:
+            return False
+        occ = Occurrence.from_record(self.id, record) if isinstance(record, dict) else None
+        if occ is None or not occ.manual or self.updated_at is None:
+            return True
+        return self.updated_at > occ.fired_at
+
     def made_by(self, channel: str, account: str, sender: str) -> bool:
         """Whether the `schedule` tool made this task at `sender`'s request in a chat of
         `channel:account` (its `origin`): what `pairing revoke` of that sender disables."""
@@ -1693,10 +1708,12 @@ def validate_deliver(target: str | None) -> str | None:
 
 
 # What a task's `origin` may hold (`CronTask.origin`): channel, account and chat always, thread and
-# sender when known; each a platform's id, at most ORIGIN_PART_MAX characters.
+# sender when known; each a platform's id, at most ORIGIN_PART_MAX characters: the longest id a
+# first-party channel takes (the webhook's senders, plugins/webhook/adapter.py MAX_FIELD), since a
+# sender whom access let in but whose id the task cannot record could schedule nothing.
 ORIGIN_KEYS = ("channel", "account", "chat", "thread", "sender")
 ORIGIN_REQUIRED = ("channel", "account", "chat")
-ORIGIN_PART_MAX = 512
+ORIGIN_PART_MAX = 1024
 
 
 def validate_origin(origin: Any) -> dict[str, str] | None:

@@ -16,6 +16,9 @@ schedules only into that conversation, lists and cancels only its tasks, and its
 the conversation's (`CronStore.add(per_conversation=True)`), so one chat neither reads, cancels nor
 crowds out another's. Without credentials (auth mode `none`) the gateway is unowned like every
 caller, and a chat's conversation is the one it opened for a route (`channel_route` metadata).
+That marker and a turn's `source` of kind `channel` are written by clients too (OpenAI `metadata`,
+the WebSocket), so they are believed only there and in the gateway's namespace: a token's or an
+`admin` credential's conversation that names a chat by them is no chat's.
 
 A task made from a chat posts each run's final reply to that chat (its `deliver` target, as
 `cron add --deliver` does: the gateway sends it), since whoever asked "remind me at 5" there waits
@@ -116,12 +119,26 @@ async def _caller(store: Store, ctx: ToolContext) -> tuple[str | None, bool]:
     """The namespace of the conversation this tool runs in (None: unowned, sees all), and whether
     it is a chat's: the gateway's credential's, or, where there are no credentials (auth mode
     `none`: the gateway is unowned like every caller), one the gateway opened for a route. A chat
-    is kept to its own conversation either way; a marker set by hand on another conversation only
-    narrows what the tool does there."""
+    is kept to its own conversation either way; in mode `none` a marker set by hand on another
+    conversation only narrows what the tool does there, and where credentials are in use a
+    credential's marker makes no chat of its conversation (`_gateway_unowned`)."""
     conv = await store.get_conversation(ctx.conversation_id)
     if conv is None:
         return _UNKNOWN, False
-    return conv.namespace, _is_gateway(conv.namespace) or CHAT_ROUTE_KEY in conv.metadata
+    if _is_gateway(conv.namespace):
+        return conv.namespace, True
+    return conv.namespace, _gateway_unowned(conv.namespace, ctx) and CHAT_ROUTE_KEY in conv.metadata
+
+
+def _gateway_unowned(ns: str | None, ctx: ToolContext) -> bool:
+    """Whether a conversation of namespace `ns` may be the gateway's although it is not of the
+    gateway's credential: an unowned one while no credentials are in use (auth mode `none`, where
+    the gateway connects as the local owner, as every caller does). Only then, and in the gateway's
+    own namespace, are a conversation's `channel_route` marker and a turn's `source` of kind
+    `channel` believed: any client may write them (OpenAI `metadata`, the WebSocket's
+    `create_conversation` and `source`), and a token's or an `admin` credential's conversation that
+    names a chat by them is no chat's (its tasks deliver nowhere and record no origin)."""
+    return ns is None and ctx.config.auth.mode == "none"
 
 
 # A route key's thread part for a chat's main line (gateway/routing.py `ROOT`): no thread.
@@ -137,7 +154,11 @@ async def _chat_origin(store: Store, crons: CronStore, ctx: ToolContext) -> dict
     origin (a task it makes is its sender's too); else the route the gateway opened the
     conversation for (`channel_route`: the chat, no sender). None when none says. A gateway
     source whose ids cannot be recorded refuses the task (ScheduleError): made without its
-    sender, a `pairing revoke` of that sender would not stop it."""
+    sender, a `pairing revoke` of that sender would not stop it. Only in a conversation of the
+    gateway's (`_caller`: a client's own `source` or marker names no chat): None elsewhere."""
+    conv = await store.get_conversation(ctx.conversation_id)
+    if conv is None or not (_is_gateway(conv.namespace) or _gateway_unowned(conv.namespace, ctx)):
+        return None
     turn = await store.get_turn(ctx.turn_id)
     source = turn.source if turn is not None and isinstance(turn.source, dict) else {}
     if source.get("kind") == "channel":
@@ -152,8 +173,7 @@ async def _chat_origin(store: Store, crons: CronStore, ctx: ToolContext) -> dict
         parent = next((t for t in tasks if t.id == parent_id and t.conversation == ctx.conversation_id), None)
         if parent is not None and parent.origin is not None:
             return dict(parent.origin)
-    conv = await store.get_conversation(ctx.conversation_id)
-    return _route_origin(conv.metadata.get(CHAT_ROUTE_KEY) if conv is not None else None)
+    return _route_origin(conv.metadata.get(CHAT_ROUTE_KEY))
 
 
 def _route_origin(route: Any) -> dict[str, str] | None:

@@ -955,7 +955,9 @@ def run_cmd(task: str, agent: str | None, timeout: str, reconnect_wait: str, as_
     """Run TASK now (works without the scheduler lease; through the server when one runs). Exit 0
     when its turn completed (or waits for an approval), else 1: also for `unknown`, a run that
     started but whose outcome was not seen (--timeout passed, or the server was lost for longer
-    than --reconnect-wait); `cron logs` shows its outcome later, and running it again is a second run."""
+    than --reconnect-wait); `cron logs` shows its outcome later, and running it again is a second run.
+    A disabled task runs once too, also when its run has to wait in the queue (a `cron disable`
+    after this, or a `cron remove`, drops the run while it waits)."""
     from appserver.cli.cron_run import run_now
 
     seconds = _seconds("--timeout", timeout, 0.001, MAX_RUN_TIMEOUT_S)

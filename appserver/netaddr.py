@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import re
 import socket
 import struct
@@ -309,7 +310,11 @@ _DIAG_STATE_AT = _NLMSG_HEADER.size + 1  # inet_diag_msg: family, state, timer, 
 _DIAG_UID_AT = _NLMSG_HEADER.size + 4 + _DIAG_SOCKID.size + _DIAG_TAIL.size + 12  # after expires, queues
 _DIAG_INODE_AT = _DIAG_UID_AT + 4
 _NLMSG_ERROR = 2
-_TCP_TIME_WAIT, _TCP_CLOSE = 6, 7
+# The states of a socket that is still one end of a connection (ESTABLISHED, SYN_SENT, FIN_WAIT1,
+# FIN_WAIT2, CLOSE_WAIT, LAST_ACK, CLOSING): TIME_WAIT and CLOSE are ends closed, and a LISTEN
+# socket is what the kernel finds instead once the socket asked about is gone (its lookup falls back
+# to a listener on the same address and port, which may well be the owner's).
+_CONNECTED_STATES = frozenset({1, 2, 4, 5, 8, 9, 11})
 _NO_COOKIE = 0xFFFFFFFF
 # `tcp_peer_uid`: the far end is no more. Its owner closed it (TIME_WAIT, where the kernel reports
 # uid 0, root; or orphaned: no file holds it) or reset it (no such socket), possibly right after
@@ -333,14 +338,30 @@ def _diag_address(host: str) -> tuple[int, bytes] | None:
 def tcp_peer_uid(peer: tuple[str, int], server: tuple[str, int]) -> int | None:
     """The Unix user owning the far end of a TCP connection whose both ends are on this machine,
     asked of the kernel (Linux sock_diag: the socket whose local end is `peer` and remote end
-    `server`). `PEER_GONE` when the kernel says that end is closed or gone; None where the kernel
-    cannot be asked (not Linux, netlink refused, not an IP address)."""
+    `server`). `PEER_GONE` when the kernel finds no such connected socket (closed, reset, or only
+    a listener on that port); None where the kernel cannot be asked (not Linux, netlink refused,
+    not an IP address). The kernel answers "no such socket" also when it has no sock_diag for TCP
+    at all: `kernel_tells_peers` tells the two apart."""
     src, dst = _diag_address(str(peer[0])), _diag_address(str(server[0]))
     if src is None or dst is None or src[0] != dst[0] or not hasattr(socket, "AF_NETLINK"):
         return None
+    ports = (int(peer[1]), int(server[1]))
+    uid = _diag_uid(src[0], ports, src[1], dst[1])
+    if uid == PEER_GONE and src[0] == socket.AF_INET:
+        # an IPv4 client on a dual-stack IPv6 socket (Java's, say) connected to a mapped address
+        uid = _diag_uid(socket.AF_INET6, ports, _V4_MAPPED + src[1][:4], _V4_MAPPED + dst[1][:4])
+    return uid
+
+
+_V4_MAPPED = b"\0" * 10 + b"\xff\xff"
+
+
+def _diag_uid(family: int, ports: tuple[int, int], src: bytes, dst: bytes) -> int | None:
+    """One sock_diag question (`tcp_peer_uid`): the uid of the connected TCP socket of `family`
+    whose local end is (src, ports[0]) and remote end (dst, ports[1])."""
     body = (
-        _DIAG_REQUEST.pack(src[0], socket.IPPROTO_TCP, 0, 0xFFFFFFFF)
-        + _DIAG_SOCKID.pack(int(peer[1]), int(server[1]), src[1], dst[1])
+        _DIAG_REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF)
+        + _DIAG_SOCKID.pack(ports[0], ports[1], src, dst)
         + _DIAG_TAIL.pack(0, _NO_COOKIE, _NO_COOKIE)
     )
     request = _NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + body
@@ -356,11 +377,27 @@ def tcp_peer_uid(peer: tuple[str, int], server: tuple[str, int]) -> int | None:
     kind = _NLMSG_HEADER.unpack_from(reply)[1]
     if kind == _NLMSG_ERROR and len(reply) >= _NLMSG_HEADER.size + 4:
         errno_ = -struct.unpack_from("=i", reply, _NLMSG_HEADER.size)[0]
-        return PEER_GONE if errno_ == errno.ENOENT else None  # else: this kernel cannot tell (no inet_diag)
+        return PEER_GONE if errno_ == errno.ENOENT else None  # else: this kernel cannot tell
     if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < _DIAG_INODE_AT + 4:
         return None
     state = reply[_DIAG_STATE_AT]
+    found = _DIAG_SOCKID.unpack_from(reply, _DIAG_STATE_AT + 3)
     uid, inode = struct.unpack_from("=II", reply, _DIAG_UID_AT)
-    if state in (_TCP_TIME_WAIT, _TCP_CLOSE) or inode == 0:
+    if found != (ports[0], ports[1], src, dst) or state not in _CONNECTED_STATES or inode == 0:
         return PEER_GONE
     return int(uid)
+
+
+def kernel_tells_peers() -> bool:
+    """Whether this kernel answers `tcp_peer_uid` at all: asked about a connection of this process
+    to itself, on loopback, it names this process's user. A kernel without sock_diag for TCP says
+    "no such socket" for every connection, which `tcp_peer_uid` would read as a peer gone."""
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            server = listener.getsockname()
+            with socket.create_connection(server, timeout=1.0) as client:
+                accepted, _ = listener.accept()
+                with accepted:
+                    return tcp_peer_uid(client.getsockname(), server) == os.geteuid()
+    except OSError:
+        return False

@@ -4,6 +4,7 @@
   socket in TIME_WAIT, which the kernel reports as root's; or SO_LINGER 0: reset, no socket left)
   was the owner in auth mode none, and its turn ran. The peer the kernel says is closed or gone is
   nobody's now: nothing runs.
+  Nor is an owner's listener the kernel finds on a gone peer's port instead of the peer.
 * `X-Forwarded-For: 127.0.0.1` sent by a peer that is not a trusted proxy was believed once
   `trusted_proxies` was set (uvicorn had left the peer in place, and the guard took the agreement
   of the two for a proxy's word): 403 forwarded_needs_auth. And another Unix user sending the
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sqlite3
 import subprocess
@@ -22,10 +24,12 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 
+from appserver.netaddr import PEER_GONE, kernel_tells_peers, tcp_peer_uid
 from tests.support.cli import cli_env
 from tests.support.serve import ServeProcess, serving
-from tests.test_security_s38m import AS_OTHER_USER, _skip_unless_root_on_linux
+from tests.test_security_s38m import AS_OTHER_USER, T, _skip_unless_root_on_linux
 
 HANG_UP = r"""
 import json, socket, struct, sys
@@ -126,3 +130,32 @@ def test_another_user_posing_as_a_trusted_proxy_on_loopback_is_refused(tmp_path:
         assert _raw(_port(sp), "/v1/models", "X-Forwarded-For: 127.0.0.1\r\n").startswith("HTTP/1.1 200")
         readyz = json.loads(_raw(_port(sp), "/readyz", "X-Forwarded-For: 127.0.0.1\r\n").split("\r\n\r\n", 1)[1])
         assert readyz["status"] == "ready"
+
+
+def test_a_listener_on_a_gone_peers_port_is_not_that_peer() -> None:
+    """Once the socket asked about is gone, the kernel's lookup falls back to a listener on the same
+    address and port (an owner's service that started there): it was read as the peer's user."""
+    _skip_unless_linux()
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_server(("127.0.0.1", 0)) as other:
+        gone_peer = ("127.0.0.1", other.getsockname()[1])  # nobody connects from there: only a listener
+        assert tcp_peer_uid(gone_peer, server.getsockname()) == PEER_GONE
+        with socket.create_connection(server.getsockname(), timeout=T):
+            accepted, _ = server.accept()
+            with accepted:
+                assert tcp_peer_uid(accepted.getpeername(), accepted.getsockname()) == os.geteuid()
+        assert kernel_tells_peers()
+
+
+def test_an_ipv4_client_on_a_dual_stack_socket_is_found() -> None:
+    _skip_unless_linux()
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.socket(socket.AF_INET6) as client:
+        client.settimeout(T)
+        client.connect(("::ffff:127.0.0.1", server.getsockname()[1]))
+        accepted, _ = server.accept()
+        with accepted:
+            assert tcp_peer_uid(accepted.getpeername(), accepted.getsockname()) == os.geteuid()
+
+
+def _skip_unless_linux() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the kernel is asked whose a connection is on Linux only")

@@ -65,6 +65,7 @@ from appserver.netaddr import (
     forwarded_host,
     forwarded_list_hops,
     is_loopback,
+    kernel_tells_peers,
     parse_listen,
     tcp_peer_uid,
 )
@@ -391,6 +392,7 @@ class LocalOwner:
         # A connection's peer user, asked of the kernel once per connection (~0.1 ms): by transport.
         self._peer_uids: weakref.WeakKeyDictionary[object, int | None] = weakref.WeakKeyDictionary()
         self._peers: weakref.WeakKeyDictionary[object, tuple[str, int] | None] = weakref.WeakKeyDictionary()
+        self._kernel_tells: bool | None = None  # `kernel_tells_peers`, asked at the first peer not found
 
     def judge(self, scope: Scope, hdrs: Headers, send: Send | None = None, *, check_user: bool = True) -> Whose:
         """Raises a 400 Refusal when a trusted proxy's forwarding header names no readable address.
@@ -466,8 +468,19 @@ class LocalOwner:
         elif connection in self._peer_uids:
             uid = self._peer_uids[connection]
         else:
-            uid = self._peer_uids[connection] = tcp_peer_uid(peer, server)
+            uid = self._peer_uids[connection] = self._kernel_says(tcp_peer_uid(peer, server))
         return uid is None or uid in self.owner_uids
+
+    def _kernel_says(self, uid: int | None) -> int | None:
+        """`uid`, except a `PEER_GONE` from a kernel that finds no TCP socket at all (no sock_diag
+        for TCP: it says "no such socket" of every one): None, cannot tell. Asked once."""
+        if uid != PEER_GONE:
+            return uid
+        if self._kernel_tells is None:
+            self._kernel_tells = kernel_tells_peers()
+            if not self._kernel_tells:
+                log.warning("this kernel does not say whose a loopback connection is: every local user is the owner")
+        return uid if self._kernel_tells else None
 
     def _is_loopback(self, client: tuple[str, int] | None) -> bool:
         if client is None:

@@ -20,7 +20,8 @@ What a person sees, and why it is built this way:
   server stops, chat waits for it to exit and goes to the server that replaced it (run.connect_first).
 * A line is sent without stalling the session: while its ack is outstanding (a stalled server, a
   network that keeps the connection open but carries nothing), SIGTERM/SIGHUP, Ctrl-C and `/quit`
-  act at once and lines typed meanwhile wait their turn behind it. A line the server does not
+  act at once and lines typed meanwhile wait their turn behind it (`/new` too, which Ctrl-C calls
+  off: chat stays in its conversation). A line the server does not
   confirm within `SUBMIT_TIMEOUT` is said to be unconfirmed (it may or may not have been taken; it
   is not sent again), like a refused line, and the session goes on.
 * Nothing from elsewhere (the model, tools, the server, other clients) controls the terminal: its
@@ -223,7 +224,20 @@ def cursor_after(text: str, columns: int) -> tuple[int, int]:
     of a full row, where the terminal waits to wrap until the next character; a wide character
     that does not fit goes to the next row whole. Our styling (SGR) takes no room."""
     row = col = 0
-    for ch in SGR.sub("", text):
+    text = SGR.sub("", text)
+    at, end = 0, len(text)
+    while at < end:
+        plain = _PLAIN_RUN.match(text, at)
+        if plain is not None:  # printable ASCII, a column each: counted, not walked (a paste can be megabytes)
+            run, at = plain.end() - at, plain.end()
+            room = max(0, columns - col)
+            if columns <= 0 or run <= room:
+                col += run
+            else:
+                row, col = row + 1 + (run - room - 1) // columns, (run - room - 1) % columns + 1
+            continue
+        ch = text[at]
+        at += 1
         if ch == "\n":
             row, col = row + 1, 0
             continue
@@ -232,6 +246,9 @@ def cursor_after(text: str, columns: int) -> tuple[int, int]:
             row, col = row + 1, 0
         col += width
     return row, col
+
+
+_PLAIN_RUN = re.compile("[ -~]+")
 
 
 class LineEditor:
@@ -265,8 +282,9 @@ class LineEditor:
     (`discard`) drops the rest of a paste still arriving, up to its end marker.
 
     Echoed, the line may wrap over several rows of the terminal (or hold pasted newlines): keys
-    that remove text then draw the whole line again (`prompt`: what precedes it on screen), as
-    `\\b` does not go back to the row above."""
+    that remove text then draw again what follows the last newline left in it (with `prompt`,
+    what precedes the line on screen, when there is none), as `\\b` does not go back to the row
+    above; the rows above that newline do not change."""
 
     ESC_WAIT = 0.05
     # A paste dropped at Ctrl-C whose end marker has not come after this many seconds without
@@ -484,11 +502,22 @@ class LineEditor:
         before = self.shown
         removed, self.buf = self.buf[-count:], self.buf[:-count]
         self._pasted = self._pasted and bool(self.buf)  # all rubbed out: what is typed next is typed
-        if not self._one_row(before):
+        before = self._last_line(before)
+        widths = [cell_width(c) for c in removed]
+        if not self._one_row(before) or not all(widths):  # (a zero-width one changed the cell before it)
             self._redraw(before)
             return
-        width = sum(cell_width(c) for c in removed)
+        width = sum(widths)
         self._show("\b" * width + " " * width + "\b" * width)
+
+    def _last_line(self, before: str) -> str:
+        """What `before` (the rows shown before keys removed text) holds from the start of the line
+        the text now ends in: the prompt's row, or the row after the last newline still typed
+        (pasted). Rows above it are unchanged, and are neither measured nor drawn again: a
+        Backspace after a megabyte's paste of many lines draws its last line, not the megabyte."""
+        if not (self.visible and self.echo):
+            return ""
+        return before[self.shown.rfind("\n") + 1 :]
 
     def _one_row(self, shown: str) -> bool:
         """Whether `shown` (the prompt and the keys echoed) is on one row with the cursor inside
@@ -498,10 +527,12 @@ class LineEditor:
         return row == 0 and (columns == 0 or col < columns)
 
     def _redraw(self, before: str) -> None:
-        """Draw the prompt and the line again over `before`, what its rows held."""
+        """Draw the line's end again over `before`, what its rows held from the start of the line
+        the text now ends in (`_last_line`)."""
         if self.visible and self.echo:
+            shown = self.shown
             self.screen.erase_line(before)
-            self.screen.write(self.prompt + self.display)
+            self.screen.write(shown[shown.rfind("\n") + 1 :])
 
     def _rub_last(self) -> None:
         """Backspace: one character. A zero-width one (a combining mark, ZWJ) changed the cell
@@ -509,6 +540,7 @@ class LineEditor:
         before = self.shown
         ch = self.buf.pop()
         self._pasted = self._pasted and bool(self.buf)
+        before = self._last_line(before)
         if not self._one_row(before):
             self._redraw(before)
             return
@@ -518,10 +550,12 @@ class LineEditor:
         start = len(self.buf)
         while start and not cell_width(self.buf[start - 1]):
             start -= 1
-        if start:
-            width = cell_width(self.buf[start - 1])
-            cell = "".join(self.buf[start - 1 :]).replace("\t", " ")
-            self._show("\b" * width + " " * width + "\b" * width + cell)
+        if not start or self.buf[start - 1] == "\n":  # it was on the prompt's last cell, or first on its row
+            self._redraw(before)
+            return
+        width = cell_width(self.buf[start - 1])
+        cell = "".join(self.buf[start - 1 :]).replace("\t", " ")
+        self._show("\b" * width + " " * width + "\b" * width + cell)
 
     def _show(self, text: str) -> None:
         if self.visible and self.echo:
@@ -708,6 +742,7 @@ class Chat:
         # snapshot: they are handled once the ack is).
         self.sending: str | None = None
         self.deferred: list[dict[str, Any]] = []
+        self.switching = False  # a `/new` awaits the server (`new_conversation`): lines typed wait
 
     # ------------------------------------------------------------ screen
 
@@ -791,6 +826,8 @@ class Chat:
                     await self.handle_frame(value)
             elif kind == "submitted":
                 await self.submitted(value)
+            elif kind == "renewed":
+                await self.renewed(value)
             elif kind == "interrupt":
                 self.on_interrupt()
             elif kind == "notice":
@@ -802,6 +839,7 @@ class Chat:
         try:
             if self.sending is not None:  # leaving before the server confirmed the last line
                 self.unconfirmed("chat left before the server confirmed", self.sending)
+            self.not_sent()
             self.screen.fresh_line()
         except OSError:  # the terminal hung up (SIGHUP): nothing left to tidy on it
             pass
@@ -853,8 +891,11 @@ class Chat:
         self.renderer = Renderer(self.screen, self.show_reasoning)
         self.editor.visible = False
 
-    def background(self, frame: dict[str, Any], report: Callable[[dict[str, Any]], str | None]) -> None:
-        """Send a request without stalling the screen; its outcome comes back as a notice."""
+    def background(
+        self, frame: dict[str, Any], report: Callable[[dict[str, Any]], str | None], quiet: bool = False
+    ) -> None:
+        """Send a request without stalling the screen; its outcome comes back as a notice (`quiet`:
+        a refusal or no answer is not said either)."""
 
         async def go() -> None:
             try:
@@ -863,7 +904,9 @@ class Chat:
                 if exc.code == "connection_closed" or self.client.gone:
                     self.events.put_nowait(("closed", exc.message))
                     return
-                text = f"error: {visible(exc.message)}"
+                text = None if quiet else f"error: {visible(exc.message)}"
+            except TimeoutError:
+                text = None if quiet else f"error: the server did not answer {visible(frame.get('type'))} in time"
             if text:
                 self.events.put_nowait(("notice", text))
 
@@ -955,21 +998,66 @@ class Chat:
             self.screen.line(self.screen.dim("[nothing to cancel]"))
             return
         if cmd == "/new":
-            try:
-                await self.client.request({"type": "unsubscribe", "conversation": self.conv_id})
-                created = await self.client.request({"type": "create_conversation", "agent": self.agent_id})
-                self.conv_id = conversation_of(created)[1]
-                await self.client.request({"type": "subscribe", "conversation": self.conv_id})
-                self.screen.line(f"new conversation {exact(self.conv_id)}")
-            except ProtocolError as exc:
-                self.refused(exc)
+            self.new_conversation()
             return
         self.submit(text[1:] if text.startswith("//") else text)
 
     @property
     def busy(self) -> bool:
-        """A reply is on screen, or a line awaits its ack: lines typed now wait."""
-        return self.turn is not None or self.sending is not None
+        """A reply is on screen, or a line awaits its ack (or `/new` its answers): lines typed now wait."""
+        return self.turn is not None or self.sending is not None or self.switching
+
+    def new_conversation(self) -> None:
+        """`/new` without stalling the session, as `submit`: a conversation is created and
+        subscribed to, and only then is the one chat was in left, so a failure leaves chat where it
+        was. Meanwhile Ctrl-C (or `/cancel`) calls it off, a second Ctrl-C, `/quit` and signals act
+        at once, and lines typed wait for it. The outcome comes back as a `renewed` event."""
+        self.switching, self.cancelling = True, False
+
+        async def go() -> None:
+            outcome: str | Exception
+            try:
+                async with asyncio.timeout(SUBMIT_TIMEOUT):
+                    created = await self.client.request(
+                        {"type": "create_conversation", "agent": self.agent_id}, timeout=None
+                    )
+                    conv_id = conversation_of(created)[1]
+                    await self.client.request({"type": "subscribe", "conversation": conv_id}, timeout=None)
+                outcome = conv_id
+            except (ProtocolError, TimeoutError) as exc:
+                outcome = exc
+            self.events.put_nowait(("renewed", outcome))
+
+        task = asyncio.get_running_loop().create_task(go())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def renewed(self, outcome: str | Exception) -> None:
+        """`/new` was answered (or not in time): chat is in the new conversation, or says why not."""
+        if not self.switching:
+            return
+        self.switching = False
+        cancel, self.cancelling = self.cancelling, False
+        old = self.conv_id
+        if isinstance(outcome, ProtocolError) and (outcome.code == "connection_closed" or self.client.gone):
+            self.gone(outcome.message)
+        elif cancel:  # Ctrl-C or /cancel meanwhile: chat stays where it was
+            if isinstance(outcome, str):
+                self.background({"type": "unsubscribe", "conversation": outcome}, lambda ack: None, quiet=True)
+            self.screen.line(self.screen.dim(f"[/new called off: still in conversation {exact(old)}]"))
+        elif isinstance(outcome, str):
+            self.conv_id = outcome
+            self.background({"type": "unsubscribe", "conversation": old}, lambda ack: None, quiet=True)
+            self.screen.line(f"new conversation {exact(outcome)}")
+        else:  # refused, or no answer in time (piped: exit 1 at the end, as for a refused line)
+            self.refusals += 1
+            why = (
+                visible(outcome.message)
+                if isinstance(outcome, ProtocolError)
+                else f"the server did not answer within {SUBMIT_TIMEOUT:g} s"
+            )
+            self.screen.line(f"error: /new: {why}; still in conversation {exact(old)}")
+        await self.drain()
 
     def submit(self, text: str) -> None:
         """Send a line for the model without stalling the session: the outcome comes back as a
@@ -1023,6 +1111,20 @@ class Chat:
         while self.deferred and self.sending is None and self.exit_code is None:
             await self.handle_frame(self.deferred.pop(0))
         await self.drain()
+
+    def not_sent(self) -> None:
+        """Leaving (the connection lost for good, a signal, Ctrl-C twice, `/quit` while a reply
+        streams) with lines typed at the terminal that never ran: each is named, so it can be typed
+        again (they were never echoed). From a pipe the exit code says it, and the input still has them."""
+        if not self.editor.echo:
+            return
+        typed_lines = [text for text, _ in self.held]
+        unfinished = self.stash[0] if self.asking is not None else ("" if self.editor.visible else self.editor.text)
+        for text in [*typed_lines, unfinished]:
+            if text.strip():
+                shown = visible(text if len(text) <= 60 else text[:59] + "…")
+                self.screen.line(f'not sent: "{shown}"')
+        self.held = []
 
     def unconfirmed(self, head: str, text: str, tail: str = "") -> None:
         """A line the server never confirmed: it may or may not have been taken (it is not sent again)."""
@@ -1124,11 +1226,16 @@ class Chat:
             self.editor.put_back(self.stash)
             self.screen.line("^C cancelling (Ctrl-C again to exit)")
             self.cancel()
-        elif self.turn is not None or self.sending is not None:  # a reply runs, or a line awaits its ack
+        elif self.turn is not None or self.sending is not None or self.switching:
+            # a reply runs, a line awaits its ack, or /new its answers
             if self.cancelling:
                 self.exit_code = 130
                 return
-            self.screen.line("^C cancelling (Ctrl-C again to exit)")
+            self.screen.line(
+                "^C calling /new off (Ctrl-C again to exit)"
+                if self.switching and self.sending is None and self.turn is None
+                else "^C cancelling (Ctrl-C again to exit)"
+            )
             self.renderer.kind = None
             self.cancel()
         elif self.editor.buf or self.editor.pasting:
@@ -1234,7 +1341,10 @@ async def chat(
     reconnect_wait: float,
     url_source: Callable[[], str | None] | None,
     home: HomeServer | None = None,
+    started: list[bool] | None = None,
 ) -> int:
+    """The session; `started` gets True once it has begun (a Ctrl-C that escapes after that is no
+    "no turn was started")."""
     loop = asyncio.get_running_loop()
     client = await connect_or_interrupted(
         connect_first(
@@ -1282,8 +1392,9 @@ async def chat(
         if session is not None:
             session.exit_code = 128 + signum
             events.put_nowait(("signal", signum))
-            # a session that awaits a request inline (`/new`) handles no event until it returns:
-            # stop that wait if the session has not ended by then
+            # a session stuck in a step of its own (no request is awaited inline any more: `/new`
+            # runs beside it, as a submit does) handles no event until it returns: stop it if
+            # it has not ended by then
             loop.call_later(STOP_GRACE, stop_now)
         else:  # still connecting: stop that
             stop_now()
@@ -1303,6 +1414,8 @@ async def chat(
         screen = Screen(color=tty_out and not os.environ.get("NO_COLOR"), ansi=tty_out)
         keys = Keys(loop, events, cbreak=tty_out)
         loop.add_signal_handler(signal.SIGINT, events.put_nowait, ("interrupt", None))
+        if started is not None:
+            started.append(True)
         session = Chat(
             client,
             agent,
@@ -1330,14 +1443,11 @@ async def chat(
             return 128 + signalled[0]
         return job.result()
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
         if keys is not None:
             try:
                 keys.restore()
             except (termios.error, OSError):  # the terminal hung up
                 keys.saved = None
-        for signum in stop_signals:
-            loop.remove_signal_handler(signum)
         frames.cancel()
         try:  # a stalled server never answers the closing handshake: do not wait for it long
             await asyncio.wait_for(client.close(), CLOSE_WAIT)
@@ -1345,6 +1455,13 @@ async def chat(
             transport = getattr(client.ws, "transport", None)
             if transport is not None:
                 transport.abort()
+        finally:
+            # only now: a Ctrl-C (or signal) during that close, after the session decided how it
+            # ends (`/quit`), changes nothing; it was a KeyboardInterrupt that said "no turn was
+            # started" and exit 130
+            loop.remove_signal_handler(signal.SIGINT)
+            for signum in stop_signals:
+                loop.remove_signal_handler(signum)
 
 
 def conversation_of(reply: dict[str, Any]) -> tuple[str, str]:
@@ -1403,17 +1520,24 @@ def chat_command(
             check_url(url)
         except ConnectError as exc:
             fail(f"--url: {exc.message}", 2)
+    started: list[bool] = []
     try:
         try:
-            code = asyncio.run(chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source, home))
+            code = asyncio.run(
+                chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source, home, started)
+            )
         except ServerGone:  # it stopped before taking anything: the server that replaced it, once
             assert home is not None
             url, _ = home_server_or_fail(home.server_json, stopped=url)
-            code = asyncio.run(chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source))
+            code = asyncio.run(
+                chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source, started=started)
+            )
     except Interrupted as exc:  # a stop signal while connecting, as `appserver run` reports it
         fail(f"interrupted by {signal_name(exc.signum)}: {exc.what}", 128 + exc.signum)
-    except KeyboardInterrupt:  # a Ctrl-C before the session took it over (subscribing)
-        fail("interrupted by SIGINT: no turn was started", 128 + signal.SIGINT)
+    except KeyboardInterrupt:
+        if started:  # as the session ended (after its own handling of Ctrl-C was gone): nothing to say
+            sys.exit(128 + signal.SIGINT)
+        fail("interrupted by SIGINT: no turn was started", 128 + signal.SIGINT)  # subscribing
     except ProtocolError as exc:  # ConnectError too: a refused upgrade (401/403 …), a bad URL
         fail(
             exc.message + token_hint(exc.code, "give --token or set APPSERVER_TOKEN"),

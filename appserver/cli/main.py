@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -15,6 +17,8 @@ from appserver.config import default_home
 from appserver.shown import shown
 
 # Each command imports its own dependencies (uvicorn, the kernel) only when it runs (see cli/lazy.py).
+_COMMAND = "appserver.command"  # ctx.meta: the command named on the command line (parse_args)
+
 COMMANDS = {
     "agents": LazyCommand("appserver.cli.agents:agents_group", "Manage agents."),
     "channels": LazyCommand(
@@ -46,10 +50,22 @@ class _Main(LazyGroup):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         """All of the command line passes here first (the subcommands' arguments too)."""
         refuse_non_utf8_args(args)
-        return super().parse_args(ctx, args)
+        try:
+            rest = super().parse_args(ctx, args)
+        except KeyboardInterrupt:
+            interrupted(args)
+        # what is left is the command's own arguments, after its name (a group's options come first)
+        ctx.meta[_COMMAND] = args[-len(rest) - 1] if len(args) > len(rest) else None
+        return rest
 
     def invoke(self, ctx: click.Context) -> object:
-        return run_or_fail(lambda: super(_Main, self).invoke(ctx))
+        try:
+            return run_or_fail(lambda: super(_Main, self).invoke(ctx))
+        except KeyboardInterrupt:
+            # a Ctrl-C that no command took over: while a command loads (its imports), reads the
+            # home's config, or before `run`/`chat` install their signal handling. As they say
+            # theirs, not click's "Aborted!" (exit 1).
+            interrupted([ctx.meta.get(_COMMAND) or ""])
 
 
 @click.group(cls=_Main, lazy=COMMANDS)
@@ -122,13 +138,30 @@ def _check_resolved_home(option: str) -> None:
     )
 
 
+def interrupted(args: list[str]) -> NoReturn:
+    """A Ctrl-C before the command took SIGINT over: one line and exit 130, as `run` and `chat`
+    report a Ctrl-C while they connect (`args`: the command line, its command first if known)."""
+    command = next((a for a in args if not a.startswith("-")), None)
+    what = ": no turn was started" if command in ("run", "chat") else ""
+    fail(f"interrupted by SIGINT{what}", 128 + signal.SIGINT)
+
+
 def run() -> None:
     """The `appserver` executable. `serve` imports and builds most of the server before it has
     anything to collect: the cyclic collector stays off until serve freezes what it built
     (cli/serve.py), which spares the full collections an import-heavy start triggers."""
     if "serve" in sys.argv[1:4]:
         gc.disable()
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # (click's own handling turns one into "Aborted!"; see _Main)
+        interrupted(sys.argv[1:])
+    finally:
+        # CPython 3.11 marks a KeyboardInterrupt that passed through exec() of a string (dataclasses
+        # build their methods so, while a command's modules import) as unhandled even when it was
+        # handled, and `python -m appserver` then ends by killing itself with SIGINT whatever exit
+        # code the command chose (130 and its one error line). An exec() that completes clears it.
+        exec("")
 
 
 if __name__ == "__main__":

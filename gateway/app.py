@@ -29,7 +29,7 @@ from appserver.client import Closed, ProtocolError
 from gateway.access import NOT_MENTIONED, POSTED_AS_CHAT
 from gateway.accounts import AccountRunner, AccountSpec
 from gateway.channeltool import MessageChannel
-from gateway.chatops import DROPPED_BY_CANCEL, WITHDRAWN_BY_CANCEL, ChatOps
+from gateway.chatops import DROPPED_BY_CANCEL, WITHDRAWN_BY_CANCEL, ChatOps, display_name
 from gateway.commands import Command, bot_name, for_another_bot, parse_command
 from gateway.debounce import Buffers
 from gateway.delivery import DeliveryFailed, Outboxes
@@ -576,7 +576,7 @@ class Gateway:
         elif verdict == "pair":
             # kept only for a code: with every slot taken the stranger is told to try later, and a
             # message kept then would wait for no code (and be refused later as "expired")
-            code, _new = self.pairing.code_for(key.channel, key.account, entry.sender, p.get("sender_name"), entry.chat)
+            code, _new = self.pairing.code_for(key.channel, key.account, entry.sender, display_name(p), entry.chat)
             if code is None:
                 verdict, reason = "deny", TOO_MANY_PENDING
         if verdict == "pair" or reason in (COMMAND_NOT_KEPT, TOO_MANY_PENDING):

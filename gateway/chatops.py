@@ -149,7 +149,7 @@ class ChatOps:
         code: PairingCode | None = None
         if entry.reason != TOO_MANY_PENDING:  # refused for want of a slot: "try later", even if one freed since
             code, _new = self.pairing.code_for(
-                key.channel, key.account, entry.sender, entry.payload.get("sender_name"), entry.chat
+                key.channel, key.account, entry.sender, display_name(entry.payload), entry.chat
             )
         if runner.policy.silent:
             return
@@ -1064,3 +1064,10 @@ def _outcome_in_history(messages: list[dict[str, Any]], prompt: Prompt) -> str:
         if m.get("role") == "tool" and m.get("tool_call_id") == prompt.call_id and m.get("is_error") is False:
             return OUTCOME_LINES["approved"]
     return NO_LONGER_WAITING
+
+
+def display_name(payload: Mapping[str, Any]) -> str | None:
+    """The sender's display name a message carries, as pairing keeps it: free text from the
+    platform, a NUL (U+0000) in it as U+FFFD (PostgreSQL's text holds no NUL; SQLite's the same)."""
+    name = payload.get("sender_name")
+    return name.replace("\x00", "\ufffd") if isinstance(name, str) else None

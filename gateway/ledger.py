@@ -48,7 +48,7 @@ from typing import Any, Literal, cast
 from gateway.approvals import move_prompt_rows
 from gateway.db import open_db, transaction
 from gateway.routing import move_chat_keys
-from gateway.sqlstore import in_scope
+from gateway.sqlstore import CommitUnknown, in_scope
 
 State = Literal["received", "allowed", "denied", "held", "submitted", "finished", "delivered", "failed"]
 Decision = Literal["allow", "deny", "pair"]
@@ -75,6 +75,7 @@ RETENTION_DAYS_ENV = "APPSERVER_GATEWAY_LEDGER_RETENTION_DAYS"
 RETENTION_S = 30 * 86400.0
 SETTLED: tuple[State, ...] = ("delivered", "failed", "denied")
 PRUNE_SCAN = 500  # rows looked at per prune transaction: a few milliseconds of the gateway's loop
+UNHEARD_MAX = 10_000  # writes whose COMMIT went unanswered remembered at most (`Ledger._unheard`)
 
 
 def retention_s() -> float:
@@ -199,6 +200,12 @@ class Ledger:
     def __init__(self, conn: sqlite3.Connection, clock: Callable[[], float] = time.time) -> None:
         self._conn = conn
         self._clock = clock
+        # Receipts, and held messages being released, whose COMMIT's answer was lost (PostgreSQL: the
+        # session cut while COMMIT was in flight, `CommitUnknown`): their rows may exist although this
+        # process never took them in. A receipt recorded again finds its row and is taken in then
+        # (`record_many` says it new); a release run again returns what the unheard one moved.
+        self._unheard: dict[UpdateKey, None] = {}
+        self._unheard_releases: dict[tuple[str, str, str], tuple[str, ...]] = {}
 
     @classmethod
     def open(cls, path: Path, clock: Callable[[], float] = time.time, *, gateway: bool = False) -> Ledger:
@@ -232,21 +239,38 @@ class Ledger:
         """`record` for several updates in one durable (fsynced) transaction: a group commit."""
         now = self._clock()
         created: list[bool] = []
-        with transaction(self._conn, durable=True) as c:
-            for r in receipts:
-                body = json.dumps(r.payload, ensure_ascii=False, separators=(",", ":"))
-                cur = c.execute(
-                    "INSERT OR IGNORE INTO ledger (channel, account, message_id, chat, thread, sender,"
-                    " payload, state, received_at, updated_at) VALUES (?,?,?,?,?,?,?,'received',?,?)",
-                    (r.key.channel, r.key.account, r.key.message_id, r.chat, r.thread, r.sender, body, now, now),
-                )
-                created.append(cur.rowcount == 1)
+        try:
+            with transaction(self._conn, durable=True) as c:
+                for r in receipts:
+                    body = json.dumps(r.payload, ensure_ascii=False, separators=(",", ":"))
+                    cur = c.execute(
+                        "INSERT OR IGNORE INTO ledger (channel, account, message_id, chat, thread, sender,"
+                        " payload, state, received_at, updated_at) VALUES (?,?,?,?,?,?,?,'received',?,?)",
+                        (r.key.channel, r.key.account, r.key.message_id, r.chat, r.thread, r.sender, body, now, now),
+                    )
+                    created.append(cur.rowcount == 1)
+            rows = [self.get(r.key) for r in receipts]
+        except (CommitUnknown, sqlite3.OperationalError) as exc:
+            if isinstance(exc, CommitUnknown) or len(created) == len(receipts):
+                # Inserted here by a COMMIT whose answer was lost, or committed and not read back: the
+                # rows may exist, and nobody acks them nor takes them in. Their redelivery does.
+                self._remember_unheard([r.key for r, new in zip(receipts, created, strict=False) if new])
+            raise
         out = []
-        for r, new in zip(receipts, created, strict=True):
-            entry = self.get(r.key)
+        for r, new, entry in zip(receipts, created, rows, strict=True):
             assert entry is not None
+            if r.key in self._unheard:
+                del self._unheard[r.key]
+                # recorded before by a write this process never heard back from, so never taken in
+                new = new or entry.state == "received"
             out.append((entry, new))
         return out
+
+    def _remember_unheard(self, keys: Iterable[UpdateKey]) -> None:
+        for key in keys:
+            self._unheard[key] = None
+        while len(self._unheard) > UNHEARD_MAX:
+            del self._unheard[next(iter(self._unheard))]
 
     def decide(self, key: UpdateKey, decision: Decision, reason: str, *, notice: bool = False) -> Entry:
         """Record the access decision (allow, deny, or pair: held until the sender is approved).
@@ -268,21 +292,33 @@ class Ledger:
         """Release every message kept for `sender` (oldest first), in one transaction that first asks
         `still_allowed` (which reads the same database): the write lock is taken before it looks, so a
         revoke committed by another process is either seen (None: nothing released) or comes after."""
-        with transaction(self._conn, durable=False) as c:
-            if not still_allowed():
-                return None
-            rows = c.execute(
-                "SELECT message_id FROM ledger WHERE state='held' AND channel=? AND account=? AND sender=? ORDER BY id",
-                (channel, account, sender),
-            ).fetchall()
-            c.execute(
-                "UPDATE ledger SET state='allowed', decision='allow', reason=?, updated_at=?, sending=NULL"
-                " WHERE state='held' AND channel=? AND account=? AND sender=?",
-                (reason, self._clock(), channel, account, sender),
-            )
-            # read back in the transaction (see `_move`): a retry after a lost read finds none held
-            released = [self.get(UpdateKey(channel, account, str(mid))) for (mid,) in rows]
-        return [e for e in released if e is not None]
+        who = (channel, account, sender)
+        unheard = self._unheard_releases.pop(who, ())
+        rows: list[tuple[Any, ...]] = []
+        try:
+            with transaction(self._conn, durable=False) as c:
+                if not still_allowed():
+                    return None
+                rows = c.execute(
+                    "SELECT message_id FROM ledger WHERE state='held' AND channel=? AND account=? AND sender=?"
+                    " ORDER BY id",
+                    (channel, account, sender),
+                ).fetchall()
+                c.execute(
+                    "UPDATE ledger SET state='allowed', decision='allow', reason=?, updated_at=?, sending=NULL"
+                    " WHERE state='held' AND channel=? AND account=? AND sender=?",
+                    (reason, self._clock(), channel, account, sender),
+                )
+                # read back in the transaction (see `_move`): a retry after a lost read finds none held
+                mids = [str(mid) for (mid,) in rows]
+                released = [self.get(UpdateKey(channel, account, mid)) for mid in mids]
+                # what a release whose COMMIT went unanswered moved (it did commit): released, never queued here
+                earlier = [self.get(UpdateKey(channel, account, mid)) for mid in unheard if mid not in mids]
+                released += [e for e in earlier if e is not None and e.state == "allowed" and e.reason == reason]
+        except CommitUnknown:
+            self._unheard_releases[who] = (*unheard, *(str(mid) for (mid,) in rows))
+            raise
+        return sorted((e for e in released if e is not None), key=lambda e: e.seq)
 
     def assign_batch(self, keys: Sequence[UpdateKey]) -> str:
         """Write down that these allowed messages (of one account) make one turn, before it is
@@ -588,8 +624,31 @@ class Ledger:
             # session lost) and the caller's retry would find the move already made
             entry = self._require(key)
         if not moved:
+            if entry.state == target and _made(entry, fields):
+                # this very move was made already: run again after its COMMIT's answer was lost
+                # (PostgreSQL, `CommitUnknown`), so it is done, not refused
+                return entry
             raise LedgerStateError(f"{key}: cannot move from {entry.state} to {target}")
         return entry
+
+
+def _made(entry: Entry, fields: Mapping[str, str | None]) -> bool:
+    """Whether `entry` holds what a move writing `fields` wrote: its decision, turn, reply, the
+    reply's ids, the part or notice its `sending` names (not when: a step run again takes a new
+    time). `reason` is not compared: it is stored masked (gateway/redact.py)."""
+    for name, value in fields.items():
+        if name == "reason":
+            continue
+        if name == "sending":
+            part = _sending(value)
+            if (part[0] if part else None) != (entry.sending[0] if entry.sending else None):
+                return False
+        elif name == "remote_ids":
+            if value is None or tuple(json.loads(value)) != entry.remote_ids:
+                return False
+        elif getattr(entry, name) != value:
+            return False
+    return True
 
 
 def notice_key(key: UpdateKey) -> str:

@@ -212,6 +212,12 @@ class PgDatabaseError(sqlite3.DatabaseError):
     """Any other PostgreSQL error, as sqlite3 says it."""
 
 
+class CommitUnknown(PgOperationalError):
+    """The session was lost while its COMMIT was in flight: PostgreSQL may have committed the
+    transaction or not. Tried again like any lost session, so every write step of the gateway is
+    safe to run again over its own committed result (`Ledger._move`, `Ledger.record_many`)."""
+
+
 class Fenced(PgOperationalError):
     """This gateway's instance no longer holds every account it runs (a survivor took them over)."""
 
@@ -346,6 +352,10 @@ def _error(exc: Exception) -> sqlite3.Error:
     text = " ".join(str(exc).split()) or type(exc).__name__
     if isinstance(exc, psycopg.errors.IntegrityError):
         return PgIntegrityError(text)
+    if str(getattr(exc, "sqlstate", None) or "").startswith("54"):
+        # program limit exceeded (an index row over btree's 2,704 bytes: an id far too long, in UTF-8):
+        # psycopg calls it an OperationalError, but no wait makes it pass
+        return PgDatabaseError(f"a value is too large for PostgreSQL: {text}")
     if isinstance(exc, psycopg.OperationalError | psycopg.errors.LockNotAvailable | psycopg.errors.QueryCanceled):
         return PgOperationalError(text)
     if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout | psycopg.errors.AdminShutdown):
@@ -505,7 +515,11 @@ class PgConnection:
             self._rollback()
             raise
         self.in_transaction = False
-        self.raw("COMMIT")
+        try:
+            self.raw("COMMIT")
+        except PgOperationalError as exc:
+            # the answer to COMMIT never came: committed or not is unknown (the caller's step is run again)
+            raise CommitUnknown(f"the outcome of COMMIT is unknown (the session was lost): {exc}") from None
 
     def _rollback(self) -> None:
         if self._conn is None or self._conn.closed:

@@ -9,7 +9,9 @@ Anything refused writes nothing and ends with one line on stderr and a non-zero 
 (2 for a bad argument, 1 for a state that does not allow it).
 
 `status` and the route commands use gateway.db (`$APPSERVER_HOME/channels/gateway.db`) directly, so
-they work whether or not a server runs (SQLite WAL lets them write beside the gateway child).
+they work whether or not a server runs (SQLite WAL lets them write beside the gateway child). A home
+whose store is PostgreSQL keeps those tables there (`gateway_*`, gateway/sqlstore.py): they are used
+instead, and named as the database (its password masked), never as gateway.db.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from appserver.config import Config, ConfigError, expanded_home, load_config
 from appserver.fsutil import atomic_write_text
 from appserver.serverinfo import read_live_server
 from appserver.shown import shown
+from appserver.store.url import redact_url
 from gateway.access import AccessPolicy, PolicyError
 from gateway.accounts import AccountSpec
 from gateway.db import (
@@ -68,7 +71,15 @@ from gateway.debounce import DebounceError, DebounceSettings
 from gateway.ledger import Ledger
 from gateway.redact import SecretMask, account_mask
 from gateway.routing import ROOT, Route, RouteKey, Router
-from gateway.sqlstore import open_pg
+from gateway.sqlstore import (
+    CommitUnknown,
+    PgConnection,
+    PgDatabaseError,
+    PgIntegrityError,
+    PgOperationalError,
+    migrate,
+    open_pg,
+)
 from gateway.status import AccountStatus, StatusBoard
 from plugins.loader import FIRST_PARTY, Manifest, discover
 
@@ -125,6 +136,8 @@ def _errors(fn: F) -> F:
             fail(f"{_one_line(exc)}: upgrade appserver to use it (the file was left untouched)", 1)
         except (ConfigError, ChannelConfigError) as exc:
             fail(_one_line(exc), 2)
+        except (PgOperationalError, PgIntegrityError, PgDatabaseError) as exc:
+            fail(f"the gateway's tables in PostgreSQL: {_one_line(exc)}", 1)
         except sqlite3.Error as exc:
             fail(f"gateway.db: {_one_line(exc)}", 1)
 
@@ -980,9 +993,22 @@ def _gateway_db(home: Path, *, create: bool, store_url: str = "") -> Iterator[sq
     """gateway.db opened (and migrated); None when it does not exist and `create` is false (a link
     to nothing is no "does not exist yet": LedgerFileRefused, naming the link and its target). A home
     whose store is PostgreSQL (`store_url`) keeps the gateway's tables there (gateway/sqlstore.py):
-    they are opened (and created) instead, every account's rows, with no fence (the owner's word)."""
+    they are opened (and created) instead, every account's rows, with no fence (the owner's word);
+    None when no gateway made them yet and `create` is false (nothing made by a look)."""
     if store_url.strip():
-        pg = open_pg(store_url.strip())
+        if create:
+            pg = open_pg(store_url.strip())
+        else:
+            pg = PgConnection(store_url.strip())
+            try:
+                if not _pg_has_tables(pg):
+                    pg.close()
+                    yield None
+                    return
+                migrate(pg)
+            except BaseException:
+                pg.close()
+                raise
         try:
             yield pg  # type: ignore[misc]
         finally:
@@ -997,6 +1023,34 @@ def _gateway_db(home: Path, *, create: bool, store_url: str = "") -> Iterator[sq
         yield conn
     finally:
         conn.close()
+
+
+def _pg_has_tables(pg: PgConnection) -> bool:
+    """Whether the store's database holds the gateway's tables (a gateway, or a command that
+    writes, made them)."""
+    return bool(pg.raw("SELECT to_regclass('gateway_schema') IS NOT NULL")[0][0])
+
+
+def _tables_where(config: Config, exists: bool) -> tuple[str, str]:
+    """Where the gateway's tables of this home are, as `status` names them (the first line), and as
+    `--json`'s `gateway_db` (a path, or the store's URL with its password masked)."""
+    url = config.store.url.strip()
+    if not url:
+        path = default_path(config.home)
+        if exists:
+            return f"gateway.db: {path}", str(path)
+        return (
+            f"gateway.db: {path} does not exist yet (no gateway has run on this home, or its"
+            " ledger was deleted and a gateway is starting a new one)",
+            str(path),
+        )
+    shown_url = redact_url(url)
+    if exists:
+        return f"gateway tables: gateway_* in the store's PostgreSQL database {shown_url}", shown_url
+    return (
+        f"gateway tables: none yet in the store's PostgreSQL database {shown_url} (no gateway has run on this store)",
+        shown_url,
+    )
 
 
 def _trimmed(text: str, limit: int) -> str:
@@ -1157,6 +1211,7 @@ def status_cmd(as_json: bool) -> None:
     db_path = default_path(config.home)
     mask = _secret_mask(config)
     with _gateway_db(config.home, create=False, store_url=config.store.url) as conn:
+        exists = conn is not None if config.store.url.strip() else db_path.exists()
         rows = StatusBoard(conn).all() if conn is not None else []
         counts = Ledger(conn).counts() if conn is not None else {}
         failures = _last_failures(Ledger(conn), StatusBoard(conn), mask) if conn is not None else {}
@@ -1170,24 +1225,20 @@ def status_cmd(as_json: bool) -> None:
     server = _live_channels(str(live.get("url"))) if live is not None and live.get("url") else None
     if server is not None and server["channels"] is not None:
         _show_live_states(accounts, server["channels"]["accounts"], mask)
+    first, where = _tables_where(config, exists)
     if as_json:
         print_json(
             {
-                "gateway_db": str(db_path),
-                "gateway_db_exists": db_path.exists(),
+                "gateway_db": where,
+                "gateway_db_exists": exists,
+                "gateway_store": "postgresql" if config.store.url.strip() else "sqlite",
                 "accounts": accounts,
                 "ledger": ledger,
                 "server": server,
             }
         )
         return
-    if db_path.exists():
-        click.echo(f"gateway.db: {db_path}")
-    else:
-        click.echo(
-            f"gateway.db: {db_path} does not exist yet (no gateway has run on this home, or its"
-            " ledger was deleted and a gateway is starting a new one)"
-        )
+    click.echo(first)
     if accounts:
         table = [
             [
@@ -1233,7 +1284,7 @@ def status_cmd(as_json: bool) -> None:
         click.echo("No channel accounts configured (add one with `appserver channels add CHANNEL NAME`).")
     if any(counts.values()):
         click.echo("Ledger: " + ", ".join(f"{n} {s}" for s, n in ledger.items() if n))
-    elif db_path.exists():
+    elif exists:
         click.echo("Ledger: empty")
     if server is None:
         click.echo("Server: not running; this is the last recorded state.")
@@ -1314,7 +1365,10 @@ def route_add_cmd(key: str, agent: str, conversation: str | None) -> None:
         assert conn is not None
         router = Router(conn)
         old = router.get(route_key)
-        router.add(route_key, agent.strip(), conversation.strip() if conversation else None)
+        try:
+            router.add(route_key, agent.strip(), conversation.strip() if conversation else None)
+        except CommitUnknown:  # PostgreSQL's answer to the COMMIT was lost: made or not, made again (an upsert)
+            router.add(route_key, agent.strip(), conversation.strip() if conversation else None)
     target = agent.strip() + (f" (conversation {conversation.strip()})" if conversation else "")
     replaced = f"; replaced the route to {exact(old.agent)}" if old else ""  # gateway.db's, written by anyone
     click.echo(f"Route {exact(route_key)} -> {exact(target)}{replaced}.")
@@ -1451,8 +1505,14 @@ def _remove_route(router: Router, key: RouteKey, text: str) -> RouteKey | None:
     except ValueError:
         literal = key
     for candidate in dict.fromkeys((key, literal)):
-        if router.remove(candidate):
-            return candidate
+        if router.get(candidate) is None:
+            continue
+        try:
+            if router.remove(candidate):
+                return candidate
+        except CommitUnknown:  # PostgreSQL's answer to the COMMIT was lost: removed if it is gone now
+            if router.get(candidate) is None or router.remove(candidate):
+                return candidate
     return None
 
 
@@ -1494,7 +1554,12 @@ def route_list_cmd(channel: str | None, account: str | None, as_json: bool) -> N
         print_json([_route_json(r) for r in routes])
         return
     if not routes:
-        click.echo("No routes." + ("" if default_path(config.home).exists() else " (gateway.db does not exist yet)"))
+        if config.store.url.strip():  # the gateway's tables in the store's PostgreSQL database
+            none = " (the store's PostgreSQL database has no gateway tables yet)"
+            click.echo("No routes." + ("" if conn is not None else none))
+        else:
+            none = " (gateway.db does not exist yet)"
+            click.echo("No routes." + ("" if default_path(config.home).exists() else none))
         return
     table = [["KEY", "AGENT", "CONVERSATION"]]
     table += [[str(r.key), r.agent, r.conversation or "-"] for r in routes]

@@ -29,7 +29,8 @@ from appserver.config import Config
 from appserver.serverinfo import read_live_server
 from appserver.store.url import store_kind
 from gateway.db import default_path, gateway_running
-from gateway.pairing import Pairing, PairingCode, PairingError
+from gateway.pairing import Pairing, PairingCode, PairingError, normalize
+from gateway.sqlstore import CommitUnknown
 
 if TYPE_CHECKING:
     from cron.store import CronTask
@@ -169,8 +170,16 @@ def _warn_not_applied(ledger: Path, sender: str) -> None:
 def _decide(code: str, approve: bool) -> PairingCode:
     with _pairing() as conn:
         assert conn is not None
+        pairing = Pairing(conn)
         try:
-            return Pairing(conn).approve(code) if approve else Pairing(conn).deny(code)
+            try:
+                return pairing.approve(code) if approve else pairing.deny(code)
+            except CommitUnknown:
+                # PostgreSQL's answer to the COMMIT was lost: read back whether the decision was made
+                found = pairing.get(normalize(code))
+                if found is not None and found.status == ("approved" if approve else "denied"):
+                    return found
+                return pairing.approve(code) if approve else pairing.deny(code)
         except PairingError as exc:
             raise Refused(str(exc)) from None
 
@@ -250,7 +259,12 @@ def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
         revocable = pairing.revocable(channel, account)
         target = _target(sender, {s for _, _, s, _ in revocable})
         accounts = {f"{c}:{a}" for c, a, s, _ in revocable if s == target}
-        removed = pairing.revoke(target, channel, account)
+        try:
+            removed = pairing.revoke(target, channel, account)
+        except CommitUnknown:
+            # PostgreSQL's answer to the COMMIT was lost: made if none of the sender's rows is left
+            left = [r for r in pairing.revocable(channel, account) if r[2] == target]
+            removed = pairing.revoke(target, channel, account) if left else len(accounts)
         alike = _look_alikes(target, pairing.revocable(channel, account))
         if removed:
             if _may_hold_tasks():  # at once: before a run of theirs comes due

@@ -73,6 +73,10 @@ SEND_DEADLINE_ENV = "APPSERVER_WEBHOOK_SEND_DEADLINE_S"
 ERROR_EXCERPT_BYTES = 1024
 ERROR_EXCERPT_WAIT_S = 2.0
 MAX_FIELD = 1024  # characters in id, sender, reply_to, sender_name (chat and thread: ROUTE_PART_MAX)
+# ...and bytes (UTF-8) in id and sender, which key the ledger's and the approved senders' rows: an
+# index row of PostgreSQL's (a store shared by a cluster) holds at most 2,704 bytes, so 1,000 CJK
+# characters (3,000 bytes), accepted, could never be recorded there (SQLite has no such limit).
+MAX_ID_BYTES = 1024
 # A shorter shared secret can be guessed (and, under 8 characters, is not masked in the gateway's
 # logs and reasons): `openssl rand -hex 16` gives 32.
 MIN_SECRET_CHARS = 16
@@ -413,8 +417,8 @@ class WebhookAdapter:
             account=self.account.name,
             chat=_field(data, "chat", key_part=True),
             chat_type=chat_type,
-            sender=_field(data, "sender", id_like=True),
-            message_id=_field(data, "id"),
+            sender=_field(data, "sender", id_like=True, key=True),
+            message_id=_field(data, "id", key=True),
             text=text,
             thread=_field(data, "thread", optional=True, key_part=True),
             sender_name=_field(data, "sender_name", optional=True),
@@ -480,14 +484,21 @@ class WebhookAdapter:
 
 
 def _field(
-    data: Mapping[str, Any], name: str, *, optional: bool = False, key_part: bool = False, id_like: bool = False
+    data: Mapping[str, Any],
+    name: str,
+    *,
+    optional: bool = False,
+    key_part: bool = False,
+    id_like: bool = False,
+    key: bool = False,
 ) -> Any:
     """A string field: non-empty, at most MAX_FIELD characters. An id the owner may type into config
     (`id_like`: sender; chat and thread, which are also route key parts) holds no control character
     and no whitespace at either end: the route CLI and `allow` lists take such an id as typed, so
     `" kit "` could never match a route or an allow entry. A route key part (chat, thread) also holds
     no ':' and no whitespace at all, and is at most ROUTE_PART_MAX characters, like a route key's
-    part. None when optional and absent or null."""
+    part. A field that keys a stored row (`key`: id, sender) is also at most MAX_ID_BYTES bytes in
+    UTF-8, so the same ids are taken on both stores. None when optional and absent or null."""
     value = data.get(name)
     if value is None and optional:
         return None
@@ -496,6 +507,8 @@ def _field(
     limit = ROUTE_PART_MAX if key_part else MAX_FIELD
     if len(value) > limit:
         raise _BadRequest(400, f"{name} is longer than {limit} characters")
+    if key and len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        raise _BadRequest(400, f"{name} is longer than {MAX_ID_BYTES} bytes in UTF-8")
     if key_part and ":" in value:
         raise _BadRequest(400, f"{name} must not contain ':'")
     if (key_part or id_like) and any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in value):

@@ -246,7 +246,6 @@ _PAIR_MAX = re.compile(r"\b(MAX|MIN)\(\s*([\w.?]+)\s*,\s*([\w.?]+)\s*\)")
 
 
 @functools.lru_cache(maxsize=512)
-@functools.lru_cache(maxsize=512)
 def translate(sql: str) -> str:
     """A statement written for SQLite, as PostgreSQL runs it. Only the forms the gateway uses are
     handled; a `%` in a statement is doubled (psycopg's placeholders are `%s`)."""

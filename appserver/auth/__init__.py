@@ -9,9 +9,11 @@ from appserver.auth.errors import AuthError, TokensStale
 from appserver.auth.jwt import JwtVerifier
 from appserver.auth.namespaces import (
     conversation_namespace,
+    is_gateway_namespace,
     namespace_allows,
     namespace_of,
     sees_all,
+    speaks_for_chats,
 )
 from appserver.auth.principal import DEFAULT_TOKEN_SCOPES, SCOPES, Principal
 from appserver.auth.stores import token_store_for
@@ -48,6 +50,7 @@ __all__ = [
     "check_token_name",
     "conversation_namespace",
     "fingerprint",
+    "is_gateway_namespace",
     "is_reserved_name",
     "token_store_for",
     "namespace_allows",
@@ -56,4 +59,5 @@ __all__ = [
     "parse_duration",
     "parse_scopes",
     "sees_all",
+    "speaks_for_chats",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from appserver.auth.principal import Principal
+from appserver.auth.tokens import is_reserved_name
 
 
 def namespace_of(principal: Principal) -> str:
@@ -28,3 +29,21 @@ def namespace_allows(caller: str | None, owner: str | None) -> bool:
     unowned conversation (`owner` None) is seen by nobody else. Refusals must look like "not
     found", so a credential learns nothing about conversations it may not use."""
     return caller is None or owner == caller
+
+
+# The namespace of a capability token (`namespace_of`: kind `token`, subject `token:NAME`).
+TOKEN_NAMESPACE = "token:token:"
+
+
+def is_gateway_namespace(ns: str | None) -> bool:
+    """The channel gateway's namespace: its token's reserved name (`TokenRecord.subject`), which no
+    other token carries (an older token of such a name gets `gateway~<id>`, not reserved)."""
+    return ns is not None and ns.startswith(TOKEN_NAMESPACE) and is_reserved_name(ns[len(TOKEN_NAMESPACE) :])
+
+
+def speaks_for_chats(principal: Principal) -> bool:
+    """Whether a turn this caller submits may say it came from a chat (`source` kind `channel`) or a
+    scheduled run (`cron_prompt`): the gateway's credential, or the local owner (auth mode none,
+    where the gateway connects as the owner does). What believes those kinds (the schedule tool's
+    chat origin and delivery) must not take them from any other credential, `admin` included."""
+    return principal.kind == "none" or is_gateway_namespace(namespace_of(principal))

@@ -29,6 +29,7 @@ from appserver.auth import (
     conversation_namespace,
     namespace_allows,
     namespace_of,
+    speaks_for_chats,
 )
 from appserver.channels import LedgerUnavailable, PairingRefused, pairing_decide, pairing_pending
 from appserver.errors import KernelError, NotFound
@@ -142,6 +143,9 @@ HISTORY_PAGE_BYTES = 8 * 1024 * 1024
 # the parsed JSON, before the frame models see it, and big frames are parsed with an object budget
 # and refused beyond as many arrays or 4 times as many values (strictjson.loads `max_objects`).
 MAX_CLIENT_TOOLS = 128  # OpenAI's limit on `tools` per request
+# `source` kinds the server's own submitters write (the gateway's chats, cron's runs): believed by
+# the schedule tool, so from another credential kept only as `claimed_kind` (`speaks_for_chats`).
+SERVER_SOURCE_KINDS = frozenset({"channel", "cron_prompt"})
 BUDGET_FROM_CHARS = strictjson.COUNT_FROM_BYTES  # a refused frame this small is parsed again for its request_id
 
 
@@ -621,6 +625,10 @@ class Endpoint:
                 raise FrameError(TOO_MANY_OPEN_TURNS, self.open_turns.refusal())
             return earlier
         source = dict(frame.source or {})
+        speaks = conn.principal is not None and speaks_for_chats(conn.principal)
+        if source.get("kind") in SERVER_SOURCE_KINDS and not speaks:
+            # a chat's or a scheduled run's turn is the gateway's or cron's to say: kept as a claim
+            source["claimed_kind"] = source.pop("kind")
         source.setdefault("connection", conn.id)
         request = SubmitRequest(
             agent=agent.id,

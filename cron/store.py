@@ -38,6 +38,7 @@ through (the rename happens beside the target), so the tasks stay where the link
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -141,6 +142,18 @@ UNOWNED_TOOL_NAMESPACE = "schedule-tool:unowned"
 # first: whoever stops it says the same (the scheduler holding it, or `remove`/`disable` itself).
 NOT_STARTED_REMOVED = "not started: the task was removed before this run began"
 NOT_STARTED_DISABLED = "not started: the task was disabled before this run began"
+# `pairing revoke` records each sender it revoked (`CronFile.revoked`, the file's "revoked" list:
+# channel, account, the SHA-256 of the sender's id, when), under the store lock, in the write that
+# disables the sender's tasks (`CronStore.revoke_sender`); `add` refuses, under the same lock, a task
+# whose origin sender was revoked after the turn asking for it began (`SenderRevoked`): a turn
+# already running when the revoke was made (a slow model step) schedules nothing for the sender
+# after it, while one of a sender approved again later does. Kept for REVOCATIONS_KEPT_S (no turn
+# runs that long), at most REVOCATIONS_MAX of them, newest kept: a few dozen KB at most, whatever
+# the ids. A turn accepted up to REVOKE_CLOCK_MARGIN_S after a revoke's time counts as begun before
+# it: the two times come from different clocks (the CLI's host, the server's, a cluster's database).
+REVOCATIONS_KEPT_S = 24 * 3600.0
+REVOCATIONS_MAX = 128
+REVOKE_CLOCK_MARGIN_S = 2.0
 
 __all__ = [
     "CorruptStateFile",
@@ -159,6 +172,8 @@ __all__ = [
     "Occurrence",
     "OwnerRecord",
     "NOT_STARTED_DISABLED",
+    "Revocation",
+    "SenderRevoked",
     "NOT_STARTED_REMOVED",
     "UNOWNED_TOOL_NAMESPACE",
     "make_task",
@@ -199,6 +214,11 @@ class CronFileUnreadable(CronStoreError):
 class CronTasksTooLarge(CronStoreError):
     """A write would make crons.json too large to be read back (or, for a user's add or change,
     leave too little room for the scheduler's bookkeeping); nothing was written."""
+
+
+class SenderRevoked(CronRefused):
+    """`add` refused a task whose origin sender was revoked (`pairing revoke`) after the turn that
+    asked for it began: nothing was written."""
 
 
 def utcnow() -> datetime:
@@ -752,6 +772,45 @@ class InvalidTask:
         return _ID_RE.fullmatch(self.id) is not None
 
 
+def sender_digest(sender: str) -> str:
+    """How a revoked sender's id is kept (`Revocation.sender_sha256`): a fixed size whatever the id
+    (a webhook's may be 1,024 characters), and not the id itself."""
+    return hashlib.sha256(sender.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass(slots=True)
+class Revocation:
+    """`pairing revoke` of a sender on one channel account, and when (see REVOCATIONS_KEPT_S)."""
+
+    channel: str
+    account: str
+    sender_sha256: str
+    revoked_at: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "channel": self.channel,
+            "account": self.account,
+            "sender_sha256": self.sender_sha256,
+            "revoked_at": _iso(self.revoked_at),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Revocation:
+        if not isinstance(d, dict):
+            raise ValueError(f"a revocation must be an object, not {_json_kind(d)}")
+        channel, account, digest = d.get("channel"), d.get("account"), d.get("sender_sha256")
+        if not all(isinstance(v, str) and v for v in (channel, account, digest)):
+            raise ValueError("a revocation needs channel, account and sender_sha256")
+        at = _dt(d.get("revoked_at"), "revoked_at")
+        if at is None:
+            raise ValueError("a revocation needs revoked_at")
+        return cls(cast(str, channel), cast(str, account), cast(str, digest), at)
+
+    def of(self, channel: str, account: str, sender: str) -> bool:
+        return (self.channel, self.account, self.sender_sha256) == (channel, account, sender_digest(sender))
+
+
 @dataclass(slots=True)
 class CronFile:
     """The whole of crons.json, parsed."""
@@ -761,13 +820,41 @@ class CronFile:
     tasks: list[CronTask] = field(default_factory=list)
     invalid: list[InvalidTask] = field(default_factory=list)
     owner_problem: str | None = None  # an unusable scheduler_owner, read as no owner
+    revoked: list[Revocation] = field(default_factory=list)  # `pairing revoke`s of late (REVOCATIONS_KEPT_S)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "version": self.version,
             "scheduler_owner": None if self.scheduler_owner is None else self.scheduler_owner.to_dict(),
-            "tasks": [t.to_dict() for t in self.tasks] + [bad.raw for bad in self.invalid],
         }
+        if self.revoked:
+            out["revoked"] = [r.to_dict() for r in self.revoked]
+        out["tasks"] = [t.to_dict() for t in self.tasks] + [bad.raw for bad in self.invalid]
+        return out
+
+    def revoked_since(self, origin: dict[str, str] | None, began: datetime) -> Revocation | None:
+        """The revocation of `origin`'s sender on its channel account made after `began` (less
+        REVOKE_CLOCK_MARGIN_S), or None (also for an origin without a sender)."""
+        o = origin or {}
+        channel, account, sender = o.get("channel"), o.get("account"), o.get("sender")
+        if not (channel and account and sender):
+            return None
+        after = began - timedelta(seconds=REVOKE_CLOCK_MARGIN_S)
+        return next((r for r in self.revoked if r.of(channel, account, sender) and r.revoked_at >= after), None)
+
+    def record_revocation(self, channel: str, account: str, sender: str, now: datetime) -> None:
+        """Note that `sender` was revoked on `channel:account` at `now` (a later revoke of the same
+        sender moves its time on), dropping those past REVOCATIONS_KEPT_S and beyond REVOCATIONS_MAX."""
+        digest = sender_digest(sender)
+        kept = [
+            r
+            for r in self.revoked
+            if (r.channel, r.account, r.sender_sha256) != (channel, account, digest)
+            and (now - r.revoked_at).total_seconds() < REVOCATIONS_KEPT_S
+        ]
+        kept.append(Revocation(channel, account, digest, now))
+        kept.sort(key=operator.attrgetter("revoked_at"))
+        self.revoked = kept[-REVOCATIONS_MAX:]
 
     @classmethod
     def from_dict(cls, d: Any) -> CronFile:
@@ -815,6 +902,7 @@ class CronFile:
             tasks=parsed,
             invalid=invalid,
             owner_problem=owner_problem,
+            revoked=_revocations(d.get("revoked")),
         )
 
     def invalid_problem(self) -> str | None:
@@ -879,6 +967,23 @@ def _json_int(text: str) -> int | float:
     if len(text.lstrip("-")) <= MAX_JSON_INT_DIGITS:
         return int(text)
     return -math.inf if text.startswith("-") else math.inf
+
+
+def _revocations(raw: Any) -> list[Revocation]:
+    """The file's "revoked" list (absent: none). Like the lease record it is bookkeeping, not the
+    user's tasks: an unusable entry is dropped with an error in the log, never the file set aside."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        log.error("%s: revoked must be a list, not %s; read as none", CRONS_FILE, _json_kind(raw))
+        return []
+    found: list[Revocation] = []
+    for item in raw:
+        try:
+            found.append(Revocation.from_dict(item))
+        except (ValueError, TypeError) as exc:
+            log.error("%s: an entry of revoked is unusable (%s); dropped", CRONS_FILE, exc)
+    return found
 
 
 def _owner_of(task: CronTask, per_conversation: bool) -> Callable[[Any, Any], bool]:
@@ -1196,7 +1301,11 @@ class CronStore:
         owner = None if state.scheduler_owner is None else state.scheduler_owner.to_dict()
         lines = self._encode_tasks(state.tasks)
         lines += [utf8_json(bad.raw, allow_nan=True, separators=_COMPACT["separators"]) for bad in state.invalid]
-        head = f'{{\n  "version": {state.version},\n  "scheduler_owner": {json.dumps(owner, **_COMPACT)},\n  "tasks": ['
+        head = f'{{\n  "version": {state.version},\n  "scheduler_owner": {json.dumps(owner, **_COMPACT)},\n'
+        if state.revoked:  # ASCII-escaped: an id is only hashed, and no stray character stops the write
+            revoked = ",\n    ".join(json.dumps(r.to_dict(), separators=_COMPACT["separators"]) for r in state.revoked)
+            head += f'  "revoked": [\n    {revoked}\n  ],\n'
+        head += '  "tasks": ['
         if not lines:
             return head.encode("utf-8") + b"]\n}\n"
         return b"".join((head.encode("utf-8"), b"\n    ", b",\n    ".join(lines), b"\n  ]\n}\n"))
@@ -1282,10 +1391,15 @@ class CronStore:
         max_namespace_bytes: int | None = None,
         max_tool_bytes: int | None = None,
         per_conversation: bool = False,
+        asked_at: datetime | None = None,
     ) -> CronTask:
         """Insert a task; a duplicate name for the same agent and namespace is refused and nothing
-        is written. Names are scoped to (agent, namespace): another agent's or another credential
-        namespace's tasks neither collide with nor show through this one. The `schedule` tool's
+        is written. `asked_at`: when the turn asking for it (the `schedule` tool's) began; a task
+        whose origin sender `pairing revoke` revoked since is refused (SenderRevoked), checked
+        under the lock the revoke records under (`revoke_sender`), so it is either refused or
+        there to be disabled by the revoke. Names are scoped to (agent, namespace): another
+        agent's or another credential namespace's tasks neither collide with nor show through
+        this one. The `schedule` tool's
         caps, counted under the lock so concurrent creations cannot pass them together (CronRefused,
         nothing written): `max_in_namespace` tasks in the task's namespace; `max_namespace_bytes` of
         crons.json for them, and `max_tool_bytes` for every namespaced task (all the tool made), each
@@ -1296,6 +1410,14 @@ class CronStore:
         held_by_owner = _owner_of(task, per_conversation)
         with self.lock():
             state = self.load()
+            revoked = None if asked_at is None else state.revoked_since(task.origin, asked_at)
+            if revoked is not None:
+                self.keep(state)
+                raise SenderRevoked(
+                    "the person who asked for it in this chat had their access revoked (appserver pairing revoke) "
+                    f"at {revoked.revoked_at.isoformat(timespec='seconds')}, after this turn began; nothing was "
+                    "scheduled: a turn of a revoked sender schedules nothing for them"
+                )
             if max_in_namespace is not None:
                 held = sum(1 for t in state.tasks if held_by_owner(t.namespace, t.conversation)) + sum(
                     1 for bad in state.invalid if held_by_owner(bad.raw.get("namespace"), bad.raw.get("conversation"))
@@ -1440,7 +1562,8 @@ class CronStore:
         """Disable, in one write, every enabled task `wanted` picks, each as `set_enabled(False)`
         does (kept; its runs waiting for a scheduler that stopped cancelled): the tasks disabled.
         One transaction, so a task made or removed meanwhile is either seen whole or not at all;
-        nothing is written when none is picked. `pairing revoke` stops a sender's tasks with it."""
+        nothing is written when none is picked. (`pairing revoke` uses `revoke_sender`, which also
+        records the revoke.)"""
         now = now or utcnow()
         with self.lock():
             state = self.load()
@@ -1453,6 +1576,39 @@ class CronStore:
                 task.updated_at = now
                 self._cancel_waiting_runs(state, task, NOT_STARTED_DISABLED, scheduler_alive, now)
             self.save(state, user_edit=True)
+        return picked
+
+    def revoke_sender(
+        self,
+        accounts: Sequence[tuple[str, str]],
+        sender: str,
+        *,
+        now: datetime | None = None,
+        scheduler_alive: Callable[[OwnerRecord], bool] | None = None,
+    ) -> list[CronTask]:
+        """`pairing revoke` of `sender` on `accounts` ((channel, account) pairs), in one write under
+        the lock: the revocation is recorded (`CronFile.record_revocation`: `add` refuses what a
+        turn of theirs that began before it asks for, `SenderRevoked`), and every enabled task the
+        `schedule` tool made at their request from a chat of those accounts (`CronTask.made_by`) is
+        disabled, as `disable_where` does: the tasks disabled. Written even when none is (the
+        record is the point), also where there was no crons.json yet. Not held to the room a user's
+        change leaves the scheduler (`checked_render`): a revoke is never refused for it; the
+        records it adds are few and small (REVOCATIONS_MAX)."""
+        now = now or utcnow()
+        with self.lock():
+            state = self.load()
+            for channel, account in accounts:
+                state.record_revocation(channel, account, sender, now)
+            picked = [
+                t
+                for t in state.tasks
+                if t.enabled and any(t.made_by(channel, account, sender) for channel, account in accounts)
+            ]
+            for task in picked:
+                task.enabled = False
+                task.updated_at = now
+                self._cancel_waiting_runs(state, task, NOT_STARTED_DISABLED, scheduler_alive, now)
+            self.save(state)
         return picked
 
     def list(self, agent: str | None = None) -> list[CronTask]:

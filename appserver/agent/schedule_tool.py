@@ -27,10 +27,11 @@ and for no other chat. The task also records where it came from (`origin`: chann
 thread, and the sender who asked), read from the turn's `source` as the gateway submitted it (a run
 of a chat's task passes its own task's origin on), or, with no sender, from the route the gateway
 opened the conversation for: `appserver cron list`/`show` name it, and `appserver pairing revoke`
-of that sender disables the sender's tasks. Elsewhere a task delivers nowhere: a channel target is
-the operator's to set (`cron add --deliver`). A chat lists and cancels, besides its conversation's
-tasks, those made from that very chat (and thread) in a conversation it left with `/new`: they
-still post to it.
+of that sender disables the sender's tasks, and refuses any a turn of theirs that began before the
+revoke asks for after it (`CronStore.add`'s `asked_at`: the turn, still running, was let in before).
+Elsewhere a task delivers nowhere: a channel target is the operator's to set (`cron add --deliver`).
+A chat lists and cancels, besides its conversation's tasks, those made from that very chat (and
+thread) in a conversation it left with `/new`: they still post to it.
 
 Task names are scoped the same way: a task remembers the namespace it was created in, names are
 unique per agent and namespace (`CronStore.add`), and cancel finds a name only among the caller's
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 from appserver.agent.tools import Tool, ToolContext, ToolOutput, shown_zone, zone_named
@@ -174,6 +176,15 @@ async def _chat_origin(store: Store, crons: CronStore, ctx: ToolContext) -> dict
         if parent is not None and parent.origin is not None:
             return dict(parent.origin)
     return _route_origin(conv.metadata.get(CHAT_ROUTE_KEY))
+
+
+async def _turn_began(store: Store, ctx: ToolContext) -> datetime | None:
+    """When the turn the tool runs in was accepted: a task it makes for a sender revoked since
+    (`appserver pairing revoke`, while the turn ran on) is refused (`CronStore.add`, SenderRevoked)."""
+    turn = await store.get_turn(ctx.turn_id)
+    if turn is None:
+        return None
+    return datetime.fromtimestamp(max(0.0, turn.created_at), UTC)
 
 
 def _route_origin(route: Any) -> dict[str, str] | None:
@@ -299,6 +310,7 @@ def _create(
     ns: str | None,
     chat: bool,
     origin: dict[str, str] | None,
+    asked_at: datetime | None = None,
 ) -> str:
     given = [(k, args[k]) for k in KINDS if args.get(k)]
     if len(given) != 1:
@@ -340,6 +352,7 @@ def _create(
         max_namespace_bytes=NAMESPACE_MAX_BYTES,
         max_tool_bytes=TOOL_TASKS_MAX_BYTES,
         per_conversation=chat,
+        asked_at=asked_at,
     )
     when = task.next_fire_at.isoformat(timespec="minutes") if task.next_fire_at else "never"
     posted = f"; each run's reply is posted to {deliver}" if deliver else ""
@@ -382,7 +395,8 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
                     is_error=True,
                 )
             origin = await _chat_origin(conversations, store, ctx) if chat else None
-            text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns, chat, origin)
+            asked_at = await _turn_began(conversations, ctx) if origin is not None else None
+            text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns, chat, origin, asked_at)
         elif action == "list":
             listed = await asyncio.to_thread(store.list, ctx.agent.id)
             here = await _chat_here(conversations, store, ctx, chat)

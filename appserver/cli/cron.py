@@ -848,20 +848,16 @@ def disable_sender_tasks(cfg: Config, accounts: set[str], sender: str) -> tuple[
     """`pairing revoke`'s hold on the cron tasks: disable, in one write, every task the `schedule`
     tool made from a chat of `accounts` (`channel:account`) at `sender`'s request (its `origin`),
     as `cron disable` does (kept, so `cron enable` resumes one; a run waiting for a scheduler that
-    stopped is cancelled). (The tasks disabled, none when the home has no tasks; why they could
-    not be, or None): a failure is said after the revoke, which stands, by
+    stopped is cancelled), and record the revoke there (`CronStore.revoke_sender`), so a turn of
+    theirs that began before it and runs on schedules nothing after it. (The tasks disabled; why
+    they could not be, or None): a failure is said after the revoke, which stands, by
     `say_sender_tasks_disabled`."""
     try:
         store = cron_store_for(cfg.home, cfg.store.url)
-        if not store.shared and not store.path.exists():
-            return [], None
         prepare_store_schema(cfg)
-        wanted = [tuple(a.split(":", 1)) for a in accounts]
+        wanted = [(channel, account) for channel, _, account in (a.partition(":") for a in sorted(accounts))]
         try:
-            picked = store.disable_where(
-                lambda t: any(t.made_by(channel, account, sender) for channel, account in wanted),
-                scheduler_alive=_scheduler_alive(store),
-            )
+            picked = store.revoke_sender(wanted, sender, scheduler_alive=_scheduler_alive(store))
         finally:
             store.close()
     except (CronStoreError, CorruptStateFile, StateFileRefused, OSError) as exc:

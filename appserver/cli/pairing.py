@@ -7,7 +7,8 @@ and on a revoke within a tenth of a second (ends the sender's turns queued on th
 is down between restarts (the server's queue still runs): it warns when no gateway acted in time.
 `revoke` also disables the cron tasks the sender had the agent schedule from a chat of the revoked
 accounts (`appserver.cli.cron.disable_sender_tasks`: kept, and their queued runs dropped, as `cron
-disable` does), and lists them.
+disable` does), and lists them; and records the revoke with the tasks (`CronStore.revoke_sender`), so
+a turn of the sender's still running then cannot schedule another (the `schedule` tool is refused).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from appserver.cli.common import echo_long, get_config, quoted
 from appserver.cli.safetext import exact, exact_id, typed_id, unseen
 from appserver.config import Config
 from appserver.serverinfo import read_live_server
-from appserver.store.url import store_kind
 from gateway.db import default_path, gateway_running
 from gateway.pairing import Pairing, PairingCode, PairingError, normalize
 from gateway.sqlstore import CommitUnknown
@@ -267,12 +267,15 @@ def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
             removed = pairing.revoke(target, channel, account) if left else len(accounts)
         alike = _look_alikes(target, pairing.revocable(channel, account))
         if removed:
-            if _may_hold_tasks():  # at once: before a run of theirs comes due
-                disabled, problem = _disable_sender_tasks(get_config(), accounts, target)
+            # at once: before a run of theirs comes due, and recorded, so a turn of theirs running
+            # now schedules nothing more (cron.store `CronStore.revoke_sender`); a home without
+            # tasks gets a crons.json holding the record
+            disabled, problem = _disable_sender_tasks(get_config(), accounts, target)
             _await_gateway(conn, target, accounts)
-            if _may_hold_tasks():  # again once the gateway acted: a turn of theirs running then may have made one
-                more, problem = _disable_sender_tasks(get_config(), accounts, target)
-                disabled += more
+            # again once the gateway acted: a turn of theirs it let in meanwhile may have made one,
+            # and one still running is held to the later time
+            more, problem = _disable_sender_tasks(get_config(), accounts, target)
+            disabled += more
     if not removed:
         note = f". {_alike_note(target, alike)}" if alike else ""
         raise Refused(f"{quoted(sender)} is neither an approved nor a denied sender{note}", 1)
@@ -283,14 +286,6 @@ def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
         from appserver.cli.cron import say_sender_tasks_disabled
 
         say_sender_tasks_disabled(get_config(), disabled, target, problem)
-
-
-def _may_hold_tasks() -> bool:
-    """Whether the home may hold cron tasks: its store is a PostgreSQL database (which holds them),
-    or `crons.json` (cron.store `CRONS_FILE`) exists. Asked before the cron code is imported, which
-    a revoke of a home without tasks (most) need not wait for."""
-    config = get_config()
-    return store_kind(config.store.url) == "postgresql" or (config.home / "crons.json").exists()
 
 
 def _disable_sender_tasks(config: Config, accounts: set[str], sender: str) -> tuple[list[CronTask], str | None]:

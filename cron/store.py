@@ -355,6 +355,9 @@ class CronTask:
     last_error: str | None = None
     last_error_at: datetime | None = None
     updated_at: datetime | None = None
+    # When it was last disabled (`cron disable`, `pairing revoke`): a run asked by hand since then
+    # still runs (`drops_run`). None: enabled, or disabled by a version that did not record it.
+    disabled_at: datetime | None = None
     # The credential namespace of whoever created it through the `schedule` tool (None: unowned,
     # e.g. the CLI): task names are unique per agent and namespace, never across namespaces.
     namespace: str | None = None
@@ -397,6 +400,7 @@ class CronTask:
             "last_error_at": _iso(self.last_error_at),
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
+            **({"disabled_at": _iso(self.disabled_at)} if self.disabled_at is not None else {}),
             **({"namespace": self.namespace} if self.namespace is not None else {}),
             **({"origin": dict(self.origin)} if self.origin is not None else {}),
         }
@@ -478,6 +482,7 @@ class CronTask:
             last_error=d.get("last_error"),
             last_error_at=_dt(d.get("last_error_at"), "last_error_at"),
             updated_at=_dt(d.get("updated_at"), "updated_at"),
+            disabled_at=_dt(d.get("disabled_at"), "disabled_at"),
             namespace=ns,
             origin=origin,
         )
@@ -486,16 +491,17 @@ class CronTask:
         """Whether a queued run of this task, which still exists, is dropped before it starts for
         the task being disabled (NOT_STARTED_DISABLED). `record` is the run's occurrence as its
         claim or its turn's `source` holds it. Every run of a disabled task is, except one asked
-        by hand (`cron run`: a `manual` occurrence) after the task was last changed: the operator
+        by hand (`cron run`: a `manual` occurrence) after the task was last disabled: the operator
         asked for it knowing the task was disabled, and it runs once, as it does when its
-        conversation is idle (a claim by hand stamps the task as changed at the claim's time, so a
-        disable after it, or again, drops it)."""
+        conversation is idle; a disable after it (or again) drops it. (Not judged by `updated_at`,
+        which every claim and every failure moves: two runs asked by hand dropped each other.)"""
         if self.enabled:
             return False
         occ = Occurrence.from_record(self.id, record) if isinstance(record, dict) else None
-        if occ is None or not occ.manual or self.updated_at is None:
+        disabled_at = self.disabled_at or self.updated_at  # (a file of a version that did not record it)
+        if occ is None or not occ.manual or disabled_at is None:
             return True
-        return self.updated_at > occ.fired_at
+        return disabled_at > occ.fired_at
 
     def made_by(self, channel: str, account: str, sender: str) -> bool:
         """Whether the `schedule` tool made this task at `sender`'s request in a chat of
@@ -1541,6 +1547,7 @@ class CronStore:
             was = task.enabled
             task.enabled = enabled
             task.updated_at = now
+            task.disabled_at = None if enabled else now
             if not enabled:
                 self._cancel_waiting_runs(state, task, NOT_STARTED_DISABLED, scheduler_alive, now)
             if enabled and not was:
@@ -1573,7 +1580,7 @@ class CronStore:
                 return []
             for task in picked:
                 task.enabled = False
-                task.updated_at = now
+                task.updated_at = task.disabled_at = now
                 self._cancel_waiting_runs(state, task, NOT_STARTED_DISABLED, scheduler_alive, now)
             self.save(state, user_edit=True)
         return picked
@@ -1606,7 +1613,7 @@ class CronStore:
             ]
             for task in picked:
                 task.enabled = False
-                task.updated_at = now
+                task.updated_at = task.disabled_at = now
                 self._cancel_waiting_runs(state, task, NOT_STARTED_DISABLED, scheduler_alive, now)
             self.save(state)
         return picked

@@ -59,7 +59,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from appserver.agent.tools import Tool, ToolContext, ToolOutput, shown_zone, zone_named
-from appserver.auth import is_reserved_name, namespace_allows
+from appserver.auth import is_gateway_namespace, namespace_allows
 from appserver.fsutil import CRONS_MAX_BYTES, CorruptStateFile
 from appserver.shown import shown
 from appserver.store.base import Store
@@ -92,8 +92,6 @@ TOOL_PROMPT_MAX_BYTES = 16 * 1024
 # together, each task counted with the bookkeeping room kept for it (cron.store.charged_bytes).
 NAMESPACE_MAX_BYTES = 512 * 1024
 TOOL_TASKS_MAX_BYTES = CRONS_MAX_BYTES // 4
-# The namespace of a capability token (`appserver.auth.namespace_of`: kind `token`, subject `token:NAME`).
-_TOKEN_NAMESPACE = "token:token:"
 
 log = logging.getLogger("appserver.cron")
 
@@ -105,12 +103,6 @@ def _stored_namespace(ns: str | None) -> str | None:
     if ns is None:
         return UNOWNED_TOOL_NAMESPACE
     return None if ns == _UNKNOWN else ns
-
-
-def _is_gateway(ns: str | None) -> bool:
-    """The channel gateway's namespace: its token's reserved name (`TokenRecord.subject`), which no
-    other token carries (an older token of such a name gets `gateway~<id>`, not reserved)."""
-    return ns is not None and ns.startswith(_TOKEN_NAMESPACE) and is_reserved_name(ns[len(_TOKEN_NAMESPACE) :])
 
 
 # The metadata key the gateway opens a chat's conversation with (gateway/app.py): the route it is for.
@@ -127,7 +119,7 @@ async def _caller(store: Store, ctx: ToolContext) -> tuple[str | None, bool]:
     conv = await store.get_conversation(ctx.conversation_id)
     if conv is None:
         return _UNKNOWN, False
-    if _is_gateway(conv.namespace):
+    if is_gateway_namespace(conv.namespace):
         return conv.namespace, True
     return conv.namespace, _gateway_unowned(conv.namespace, ctx) and CHAT_ROUTE_KEY in conv.metadata
 
@@ -159,7 +151,7 @@ async def _chat_origin(store: Store, crons: CronStore, ctx: ToolContext) -> dict
     sender, a `pairing revoke` of that sender would not stop it. Only in a conversation of the
     gateway's (`_caller`: a client's own `source` or marker names no chat): None elsewhere."""
     conv = await store.get_conversation(ctx.conversation_id)
-    if conv is None or not (_is_gateway(conv.namespace) or _gateway_unowned(conv.namespace, ctx)):
+    if conv is None or not (is_gateway_namespace(conv.namespace) or _gateway_unowned(conv.namespace, ctx)):
         return None
     turn = await store.get_turn(ctx.turn_id)
     source = turn.source if turn is not None and isinstance(turn.source, dict) else {}

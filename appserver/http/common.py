@@ -491,8 +491,10 @@ class Idempotency:
     async def abandon(self) -> None:
         """Let the key go after the request failed (or its turn gave no answer to keep). A drop the
         store refuses (a full disk) leaves the request's own answer standing, never this write's
-        "nothing of this request was written" (its input may have been saved): the claim stays
-        until the server's next start (a retry with the key meanwhile: 409 in progress)."""
+        "nothing of this request was written" (its input may have been saved): the claim stays,
+        pending under this server but no longer worked on, and a repeat of the request takes it
+        over once the store takes writes (it follows the key's turn or runs anew, as after a
+        crash: the store's `claim_http_idempotency`)."""
         try:
             await self.server.store.drop_http_idempotency(self.scope, self.key)
         except WriteRefused as exc:
@@ -682,15 +684,25 @@ def stream_replay(
 ) -> Callable[[bool, list[str]], Awaitable[None]] | None:
     """The SSE `on_close` of an idempotent stream: store the whole stream (its frames, as sent) for
     replay when it ran to its end, else release the key so a retry runs again. None without a key:
-    then nothing keeps the frames."""
+    then nothing keeps the frames. A store refusing that write (a full disk, an outage) is one
+    log line: the client has its stream; the key, left pending but no longer worked on, is taken
+    over by a repeat once the store takes writes (`Idempotency.abandon`)."""
     if idem is None:
         return None
 
     async def on_close(completed: bool, payloads: list[str]) -> None:
-        if completed and finished():
-            await idem.finish(200, "text/event-stream; charset=utf-8", "".join(payloads), conversation_id)
-        else:
-            await idem.abandon()
+        try:
+            if completed and finished():
+                await idem.finish(200, "text/event-stream; charset=utf-8", "".join(payloads), conversation_id)
+            else:
+                await idem.abandon()
+        except StoreUnavailable as exc:
+            log.warning(
+                "Idempotency-Key %r: the end of its stream in conversation %s could not be kept: %s",
+                idem.key,
+                conversation_id,
+                exc.cause if isinstance(exc, WriteRefused) else exc,
+            )
 
     return on_close
 
@@ -1518,15 +1530,17 @@ CONVERSATION_SCOPE_KEY = "appserver.conversation_id"
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def after_turn_refused(exc: WriteRefused, conversation_id: str) -> ApiError:
+def after_turn_refused(exc: StoreUnavailable, conversation_id: str) -> ApiError:
     """A write after the request's turn ended (its reply's place, the answer kept under its key,
-    its Response object) refused by the store (a full disk): what the turn saved stays, so the
-    error says that, never "nothing of this request was written", and an SDK does not send the
-    input again by itself (it would be stored a second time)."""
+    its Response object) refused by the store (a full disk; a stream's, the database away too):
+    what the turn saved stays, so the error says that, never "nothing of this request was
+    written", and an SDK does not send the input again by itself (it would be stored a second
+    time)."""
+    cause = exc.cause if isinstance(exc, WriteRefused) else str(exc)
     return ApiError(
         503,
         f"the request's turn ended and what it saved stays in conversation {conversation_id}, but a write after "
-        f"it could not be made: {exc.cause}. Do not send the input again (it would be stored a second time): "
+        f"it could not be made: {cause}. Do not send the input again (it would be stored a second time): "
         "once the store takes writes again, continue the conversation",
         code="store_unavailable",
         headers={"x-should-retry": "false", HEADER: conversation_id},

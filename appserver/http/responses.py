@@ -56,6 +56,7 @@ from appserver.http.common import (
     TurnRun,
     TurnSeat,
     advertised_ids,
+    after_turn_refused,
     answer_paused,
     answer_settings,
     dumps,
@@ -104,6 +105,7 @@ from appserver.runtime import TERMINAL_STATUSES, Decision, TurnHandle, TurnSnaps
 from appserver.runtime.kernel import NAMESPACE_DEFAULT_NAME
 from appserver.runtime.settle import not_run_text, stopped_text
 from appserver.runtime.snapshot import answered_unrun
+from appserver.store.base import StoreUnavailable, WriteRefused
 from appserver.store.records import AgentRecord, ResponseRecord, TurnSettings
 
 if TYPE_CHECKING:
@@ -2559,6 +2561,31 @@ class _Run:
         await store.save_response(rec)
         await self.route.index_items(rec)
 
+    async def unkept(self, snap: TurnSnapshot, exc: StoreUnavailable) -> dict[str, Any]:
+        """The `response.failed` body of a stream whose turn ended but whose response could not be
+        stored (`finalize` refused): its output as the stream's events showed it, and the error the
+        non-stream answer gives (`after_turn_refused`: what was saved, do not send the input
+        again), or the turn's own failure when it failed. One log line; nothing more is written."""
+        failed = after_turn_refused(exc, self.run.conversation_id)
+        why = exc.cause if isinstance(exc, WriteRefused) else str(exc)
+        log.warning("could not store response %s of conversation %s: %s", self.shape.id, self.run.conversation_id, why)
+        if failed_answer(snap):
+            try:
+                failed = await turn_error(self.server, self.shape.agent.id, snap.error)
+            except StoreUnavailable:
+                failed = turn_failure(snap.error)
+        body = response_body(
+            self.shape,
+            status="failed",
+            output=self.output(snap),
+            snap=snap,
+            failed=failed,
+            base_usage=self.run.base_usage,
+        )
+        if body["error"] is None:  # (a failed turn's is its own) Response.error.code is a closed enum
+            body["error"] = {"code": "server_error", "message": f"{failed.message} [{failed.code}]"}
+        return body
+
     async def keep_unfinished(self, body: dict[str, Any]) -> bool:
         """A stream told the client its response id (`response.created`) and ends without the
         turn's outcome: the id must still name the response, with how it ended, after a restart.
@@ -2753,8 +2780,15 @@ class _Run:
                     await self.keep_unfinished(body)
                     yield ev("response.failed", response=body)
                     return
-                kept = True  # from here on, the outcome is stored by finalize (or it failed loudly)
-                body = await self.finalize(last)
+                kept = True  # from here on, the outcome is stored by finalize (or the stream says it is not)
+                try:
+                    body = await self.finalize(last)
+                except StoreUnavailable as exc:
+                    # The turn ended, what it saved stays, but its Response object (or its history
+                    # point) could not be stored (a full disk): the stream ends with
+                    # `response.failed` saying so, as the non-stream answer's 503 does, not cut off.
+                    yield ev("response.failed", response=await self.unkept(last, exc))
+                    return  # not `finished`: no answer is kept for its key (released, or taken over)
                 # A cancelled response (another client cancelled or dropped its turn) ends as it is
                 # stored and as the non-stream answer says: status `cancelled`, in the event OpenAI
                 # has for a response that ended early without failing (it has no event of its own).

@@ -18,6 +18,7 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from appserver import fastjson
+from appserver.store.base import StoreUnavailable
 
 log = logging.getLogger("appserver.http.sse")
 
@@ -147,7 +148,9 @@ class SSEResponse:
             done, _ = await asyncio.wait({listener, pumper}, return_when=asyncio.FIRST_COMPLETED)
             if pumper in done and not pumper.cancelled():
                 exc = pumper.exception()
-                if exc is not None and not isinstance(exc, OSError):
+                if isinstance(exc, StoreUnavailable):  # the store's doing (a full disk): one line
+                    log.warning("SSE producer failed: %s", exc)
+                elif exc is not None and not isinstance(exc, OSError):
                     log.error("SSE producer failed", exc_info=exc)
         finally:
             if self.direct is not None:
@@ -168,5 +171,7 @@ class SSEResponse:
             if self.on_close is not None:
                 try:
                     await self.on_close(completed, list(self.sent))
+                except StoreUnavailable as exc:
+                    log.warning("stream close handler failed: %s", exc)
                 except Exception:
                     log.exception("stream close handler failed")

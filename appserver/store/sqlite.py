@@ -249,6 +249,11 @@ class SQLiteStore(Store):
         self._big_drafts: dict[str, int] = {}
         self._checkpointer: Checkpointer | None = None
         self.owner = identity()  # this process: stamped on the HTTP idempotency keys it claims
+        # The HTTP idempotency keys a request of this store still works on (claimed, not yet
+        # finished or dropped): (scope, key) → the claim's created_at. A pending key of this
+        # process that is not here lost its end to a refused write (a full disk): nobody will
+        # finish it, and a repeat of its request takes it over (`claim_http_idempotency`).
+        self._claimed: dict[tuple[str, str], float] = {}
         # Set by `serve --accept-data-loss`: open a store whose WAL was damaged or that is behind
         # its recorded position (integrity.py), after keeping a copy, instead of refusing.
         self.accept_data_loss = False
@@ -1200,12 +1205,19 @@ class SQLiteStore(Store):
         """A pending key's claimant is gone (killed mid-request): nobody will ever finish it."""
         return owner != self.owner and not identity_alive(owner)
 
+    def _unheld(self, row: sqlite3.Row) -> bool:
+        """A pending key this process claimed that no request of it works on any more: its end
+        (the answer kept, or the key let go) was refused by the store (a full disk)."""
+        k = (row["scope"], row["key"])
+        return bool(row["owner"] == self.owner and self._claimed.get(k) != row["created_at"])
+
     async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
-        """A pending key whose claimant died (or released: owner NULL) is taken over by a repeat
-        of its request, which runs it again or follows its turn. One with another body gets the
-        key's entry (409 from the caller), never the claim: `Idempotency.earlier` would follow the
-        turn the key's request left, and answer it with the other request's reply. An expired key
-        is replaced, whatever it holds."""
+        """A pending key whose claimant died (or released: owner NULL), or that this process
+        claimed but whose end could not be written (`_unheld`), is taken over by a repeat of its
+        request, which runs it again or follows its turn. One with another body gets the key's
+        entry (409 from the caller), never the claim: `Idempotency.earlier` would follow the turn
+        the key's request left, and answer it with the other request's reply. An expired key is
+        replaced, whatever it holds."""
         entry.created_at = entry.created_at or time.time()
         entry.owner = entry.owner or self.owner
         with self._tx() as tx:
@@ -1215,18 +1227,29 @@ class SQLiteStore(Store):
             if row is not None and row["created_at"] < idempotency_cutoff():
                 tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key))
             elif row is not None:
-                if row["state"] != "pending" or row["body_hash"] != entry.body_hash or not self._orphaned(row["owner"]):
+                if row["state"] != "pending" or row["body_hash"] != entry.body_hash:
                     return http_idempotency(row)
-                log.warning(
-                    "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
-                    entry.key,
-                    row["owner"],
-                )
+                if self._unheld(row):
+                    log.warning(
+                        "Idempotency-Key %r: its earlier request here ended but its end could not be written "
+                        "(the store refused it): this request takes it over",
+                        entry.key,
+                    )
+                elif self._orphaned(row["owner"]):
+                    log.warning(
+                        "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
+                        entry.key,
+                        row["owner"],
+                    )
+                else:
+                    return http_idempotency(row)
                 tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key))
             tx.execute(
                 "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) VALUES (?,?,?,?,?,?)",
                 (entry.scope, entry.key, entry.body_hash, "pending", entry.created_at, entry.owner),
             )
+        if entry.owner == self.owner:
+            self._claimed[(entry.scope, entry.key)] = entry.created_at
         return None
 
     async def release_orphaned_http_idempotency(self) -> int:
@@ -1251,6 +1274,9 @@ class SQLiteStore(Store):
     async def finish_http_idempotency(
         self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None
     ) -> None:
+        # The request ends here, written or not: refused, its key is left pending under this
+        # process, unheld, for a repeat to take over (`_unheld`), never waited for.
+        self._claimed.pop((scope, key), None)
         with self._tx() as tx:
             tx.execute(
                 "UPDATE http_idempotency SET state='done', status_code=?, content_type=?, body=?, conversation_id=? "
@@ -1259,6 +1285,7 @@ class SQLiteStore(Store):
             )
 
     async def drop_http_idempotency(self, scope: str, key: str) -> None:
+        self._claimed.pop((scope, key), None)  # as in finish_http_idempotency
         with self._tx() as tx:
             tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (scope, key))
 

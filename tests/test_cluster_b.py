@@ -222,7 +222,10 @@ def test_an_outage_of_the_whole_database_fences_no_server(tmp_path: Path) -> Non
     require_postgres()
     with temp_database("cluster_outage") as url:
         db = url.rsplit("/", 1)[1]
-        nodes = _start(tmp_path, url, 3)
+        # A 6 s timeout (0.2 s heartbeats): what is judged here is the lock-free grace of 2.5
+        # heartbeats, never reached; with 3 s, a server whose session a loaded machine (CI beside
+        # other work) brought back 2 s after the first one's was past its timeout, rightly gone.
+        nodes = _start(tmp_path, url, 3, APPSERVER_STORE__INSTANCE_TIMEOUT_S="6")
         try:
             for _ in range(3):
                 with psycopg.connect(url_for("postgres"), autocommit=True) as c:

@@ -215,6 +215,7 @@ async def test_a_holder_that_counts_a_new_server_publishes_the_running_turns_it_
     await holder.open(serve=True)
     follower = PostgresStore(db)
     await follower.open()
+    joiner = PostgresStore(db)
     try:
         # 30 s of words: on a slow, loaded machine A's heartbeat counted B after an 8 s turn had ended
         sub = await holder.kernel.submit(SubmitRequest(agent="assistant", input="/slow 600", conversation="new"))
@@ -230,6 +231,11 @@ async def test_a_holder_that_counts_a_new_server_publishes_the_running_turns_it_
         assert follower.cluster is not None
         follower.cluster.handle(on_message, on_notice)
         await follower.cluster.note_following([sub.conversation_id], 15)
+        # A's heartbeat may have counted B between B's join and its note (a loaded machine: CI),
+        # when nothing was followed yet; a real B's renewal would tell A again. One more server
+        # joins after the note, so A's count rises once more with the note surely in the database.
+        await joiner.open()
+        await joiner.claim_server()
         await wait_until(
             lambda: len(heard) >= 5 or sub.handle.controller.status != "running", 35, "published snapshots"
         )
@@ -238,6 +244,7 @@ async def test_a_holder_that_counts_a_new_server_publishes_the_running_turns_it_
     finally:
         await holder.close()
         await follower.close()
+        await joiner.close()
 
 
 async def test_a_hanging_database_fails_the_check_for_deleted_agents_in_one_line(db: str, tmp_path: Path) -> None:

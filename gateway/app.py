@@ -48,6 +48,7 @@ from gateway.replies import (
 )
 from gateway.routing import RouteKey, Router
 from gateway.split import DELIVER_MAX_CHARS, cap_text
+from gateway.sqlstore import PG_KEY_BYTES, KeyTooLong, is_pg
 from gateway.status import StatusBoard
 from gateway.turninput import clean, payload_of, submit_frame
 from plugins.contract import InboundMessage, IntakePaused, Target
@@ -132,6 +133,7 @@ class Gateway:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._notices: Recent[bool] = Recent(NOTICE_EVERY_S)  # chats told something lately
         self._odd_chat_types: set[tuple[str, str]] = set()  # (account, chat_type) outside the contract, logged once
+        self._taken_here: set[UpdateKey] = set()  # commands this process took and has not answered yet
         self._dirty = True
         self._started = False  # start() has resumed the ledger
         link.on_tool_call(self.tool.on_call)
@@ -335,6 +337,10 @@ class Gateway:
         key = UpdateKey(msg.channel, msg.account, clean(msg.message_id))
         thread = clean(msg.thread) if msg.thread is not None else None
         receipt = Receipt(key, clean(msg.chat), clean(msg.sender), thread, payload_of(msg, self.link.image_budget()))
+        if is_pg(self.ledger.connection) and not self._keyable(receipt):
+            if msg.ack is not None:  # recorded before (the cap came later): a repeat, as ever
+                await msg.ack()
+            return False
         entry, created = await self.intake.record(receipt)
         if not self.gate.is_open():  # closed as it was recorded: taken in, never acknowledged
             if created:
@@ -345,6 +351,23 @@ class Gateway:
         if created:
             self._take_in(runner, entry)
         return created
+
+    def _keyable(self, receipt: Receipt) -> bool:
+        """On a PostgreSQL store, whether a message whose id or sender is longer than PG_KEY_BYTES is
+        taken (`KeyTooLong` otherwise): an id recorded before is a repeat (False), a sender approved
+        before is let in; SQLite homes have no such cap. What was taken stays taken."""
+
+        def long(value: str) -> bool:
+            return len(value.encode("utf-8", "surrogatepass")) > PG_KEY_BYTES
+
+        key = receipt.key
+        if long(key.message_id):
+            if self.ledger.get(key) is not None:
+                return False
+            raise KeyTooLong("id")
+        if long(receipt.sender) and not self.pairing.is_approved(key.channel, key.account, receipt.sender):
+            raise KeyTooLong("sender")
+        return True
 
     def _refuse_when_paused(self) -> None:
         if not self.gate.is_open():
@@ -471,10 +494,15 @@ class Gateway:
         the `/cancel` was taken before a restart: they came before it, so they were its to drop."""
         since: float | None = None
         key = entry.key
-        taken = entry.command_taken
+        # taken by this process and retried (a lost session in the command's own writes): run again,
+        # not called interrupted - its writes are safe to repeat (`_taken_here`)
+        rerun = entry.command_taken and entry.reply is None and key in self._taken_here
+        taken = entry.command_taken and not rerun
         if not taken:
-            taking = partial(self.ledger.take_command, key, command_answer_key(entry), time.time())
-            entry = await write_until_done(f"{key}: /{command.name} taken", taking)
+            if not entry.command_taken:
+                taking = partial(self.ledger.take_command, key, command_answer_key(entry), time.time())
+                entry = await write_until_done(f"{key}: /{command.name} taken", taking)
+            self._taken_here.add(key)
         dropped = await write_until_done(f"{key}: /{command.name} drops", partial(self._drop_unsent, unsent or []))
         if not taken:
             answer = await self.chatops.command(entry, runner, command, dropped=dropped)
@@ -488,6 +516,7 @@ class Gateway:
         ids = await self._say_keyed(runner, entry, answer, since) if answer else []
         answered = partial(self.ledger.mark_command, key, f"command /{command.name}", ids)
         await write_until_done(f"{key}: /{command.name} answered", answered)
+        self._taken_here.discard(key)
 
     async def _tell_decision(self, entry: Entry, runner: AccountRunner, *, resumed: bool) -> None:
         """Say what follows `entry`'s decision or failure, then note it said (`Ledger.told`): a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -135,6 +136,7 @@ class ChatOps:
         self._reconciling = asyncio.Lock()
         self._notices: dict[str, asyncio.Task[None]] = {}  # account:chat -> its last pairing notice on its way
         self._notifying: set[str] = set()  # codes whose notice is on its way (handled once it is out)
+        self._released: set[str] = set()  # approved codes whose kept messages this process queued
         self._started_at = time.time()  # a decision older than this process may have been told by the last
 
     async def pairing_prompt(self, entry: Entry, runner: AccountRunner, since: float | None = None) -> None:
@@ -331,10 +333,16 @@ class ChatOps:
                 self._refuse_kept(self.ledger.held(channel, account, sender), time.time(), REVOKED_UNRELEASED)
                 self.pairing.mark_handled(decided.code)
             return False
+        if decided.code in self._released:
+            return True  # queued by this process already (its notice failed): not queued twice
+        # An earlier run whose batch write failed (a lost session, a busy gateway.db) released them,
+        # never queued: `release_held` run again returns them (allowed, by this approval), batched now.
         for kept in by_conversation(released):  # each where it was written, in order
             if len(kept) > 1:  # a conversation's kept messages are its first turn, together
                 self.ledger.assign_batch([e.key for e in kept])
+        for kept in by_conversation(released):
             self.enqueue(kept[0])
+        self._released.add(decided.code)
         return True
 
     def _refuse_kept(self, held: list[Entry], until: float, reason: str) -> None:
@@ -471,7 +479,7 @@ class ChatOps:
                         f"📌 This chat is pinned to conversation {conversation} by the operator, so it cannot start"
                         " a new one: your next message continues it."
                     )
-                self.router.forget(route_key)
+                await write_until_done(f"/new: forget {route_key}", partial(self.router.forget, route_key))
                 # A reply still being written goes on (it may be someone else's, whom /new must not
                 # silence), but stays within reach: /cancel and /status here still find it.
                 active = await self.active_turn(conversation) if conversation is not None else None
@@ -688,7 +696,9 @@ class ChatOps:
             await self.show_prompt(prompt, runner)
         except Exception as exc:  # noqa: BLE001 - a prompt that cannot be shown leaves the CLI to answer
             log.warning("%s: could not show the approval prompt: %s", prompt.account, exc)
-            await self._prompt_failed(prompt, runner, str(exc))
+            # a database's error is the operator's (in the log), never quoted into a chat
+            reason = "the gateway could not write it down" if isinstance(exc, sqlite3.Error) else str(exc)
+            await self._prompt_failed(prompt, runner, reason)
         finally:
             prompt.shown.set()
 
@@ -747,7 +757,9 @@ class ChatOps:
         outbox = self.outboxes.of(runner)
         if earlier is None:
             key, since = f"{prompt.account}:approval:{prompt.call_id}", None
-            self.approvals.note_attempt(prompt, key, time.time())
+            await write_until_done(
+                f"approval {prompt.call_id}: its post", partial(self.approvals.note_attempt, prompt, key, time.time())
+            )
         else:
             key, since = earlier.key, earlier.attempted_at
         text = prompt.text(room_of(outbox.adapter))
@@ -757,7 +769,9 @@ class ChatOps:
         # messages of the chat it was posted in, as the ids moved with the prompt do.
         moved = prompt.target.chat != posted_in
         prompt.message_ids = in_old_chat(sent.ids, posted_in) if moved else list(sent.ids)
-        self.approvals.note_shown(prompt.call_id, prompt.message_ids)
+        await write_until_done(
+            f"approval {prompt.call_id}: posted", partial(self.approvals.note_shown, prompt.call_id, prompt.message_ids)
+        )
 
     async def answer_approval(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
         """`/approve ID` or `/deny ID`, typed or clicked. A click that finds nothing waiting (the
@@ -972,7 +986,9 @@ class ChatOps:
         except (DeliveryFailed, RuntimeError) as exc:
             log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)
         finally:
-            self.approvals.settled(prompt.call_id)
+            await write_until_done(
+                f"approval {prompt.call_id}: settled", partial(self.approvals.settled, prompt.call_id)
+            )
             if prompt.turn_id not in self.replies.turns:  # no follower forgets it (`forget_turn`)
                 self.approvals.prompts.pop(prompt.call_id, None)
 

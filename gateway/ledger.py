@@ -312,8 +312,17 @@ class Ledger:
                 # read back in the transaction (see `_move`): a retry after a lost read finds none held
                 mids = [str(mid) for (mid,) in rows]
                 released = [self.get(UpdateKey(channel, account, mid)) for mid in mids]
-                # what a release whose COMMIT went unanswered moved (it did commit): released, never queued here
-                earlier = [self.get(UpdateKey(channel, account, mid)) for mid in unheard if mid not in mids]
+                # what an earlier run of this release moved and nothing submitted yet: its COMMIT's answer
+                # lost, or its batch write after it lost (ChatOps._release) - released, never queued here
+                done = c.execute(
+                    "SELECT message_id FROM ledger WHERE state='allowed' AND reason=? AND channel=? AND account=?"
+                    " AND sender=? ORDER BY id",
+                    (reason, channel, account, sender),
+                ).fetchall()
+                later = [*(str(mid) for (mid,) in done), *unheard]
+                earlier = [
+                    self.get(UpdateKey(channel, account, mid)) for mid in dict.fromkeys(later) if mid not in mids
+                ]
                 released += [e for e in earlier if e is not None and e.state == "allowed" and e.reason == reason]
         except CommitUnknown:
             self._unheard_releases[who] = (*unheard, *(str(mid) for (mid,) in rows))

@@ -212,6 +212,20 @@ class PgDatabaseError(sqlite3.DatabaseError):
     """Any other PostgreSQL error, as sqlite3 says it."""
 
 
+# Bytes (UTF-8) of a message id or a sender a PostgreSQL store takes: they key index rows (the
+# ledger's, the approved senders'), which hold at most 2,704 bytes with the rest of their key.
+PG_KEY_BYTES = 1024
+
+
+class KeyTooLong(PgDatabaseError):
+    """A new message's id, or a sender not approved, longer than PG_KEY_BYTES on a PostgreSQL store:
+    refused before anything is written (a webhook answers 400). `field`: "id" or "sender"."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(f"{field} is longer than {PG_KEY_BYTES} bytes in UTF-8 (the gateway's PostgreSQL store)")
+        self.field = field
+
+
 class CommitUnknown(PgOperationalError):
     """The session was lost while its COMMIT was in flight: PostgreSQL may have committed the
     transaction or not. Tried again like any lost session, so every write step of the gateway is

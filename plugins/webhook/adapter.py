@@ -22,6 +22,7 @@ import json
 import math
 import re
 import socket
+import sqlite3
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -75,7 +76,8 @@ ERROR_EXCERPT_WAIT_S = 2.0
 MAX_FIELD = 1024  # characters in id, sender, reply_to, sender_name (chat and thread: ROUTE_PART_MAX)
 # ...and bytes (UTF-8) in id and sender, which key the ledger's and the approved senders' rows: an
 # index row of PostgreSQL's (a store shared by a cluster) holds at most 2,704 bytes, so 1,000 CJK
-# characters (3,000 bytes), accepted, could never be recorded there (SQLite has no such limit).
+# characters (3,000 bytes), accepted, could never be recorded there (SQLite has no such limit): the
+# gateway refuses a new one there (gateway/sqlstore.py's PG_KEY_BYTES), answered 400 (`_unkeyable`).
 MAX_ID_BYTES = 1024
 # A shorter shared secret can be guessed (and, under 8 characters, is not masked in the gateway's
 # logs and reasons): `openssl rand -hex 16` gives 32.
@@ -331,6 +333,9 @@ class WebhookAdapter:
         except IntakePaused:
             return _error(503, PAUSED, headers={"Retry-After": PAUSED_RETRY_AFTER})
         except Exception as exc:
+            unkeyable = _unkeyable(exc, message)
+            if unkeyable is not None:  # for good: no retry passes it (nothing was recorded)
+                return _error(400, unkeyable)
             self.context.log.error(
                 "webhook account '%s': delivery %r not recorded: %r", self.account.name, message.message_id, exc
             )
@@ -497,8 +502,8 @@ def _field(
     and no whitespace at either end: the route CLI and `allow` lists take such an id as typed, so
     `" kit "` could never match a route or an allow entry. A route key part (chat, thread) also holds
     no ':' and no whitespace at all, and is at most ROUTE_PART_MAX characters, like a route key's
-    part. A field that keys a stored row (`key`: id, sender) is also at most MAX_ID_BYTES bytes in
-    UTF-8, so the same ids are taken on both stores. None when optional and absent or null."""
+    part. A field that keys a stored row (`key`: id, sender) may be longer than MAX_ID_BYTES bytes in
+    UTF-8: a PostgreSQL store refuses a new one (`_unkeyable`). None when optional and absent or null."""
     value = data.get(name)
     if value is None and optional:
         return None
@@ -507,8 +512,6 @@ def _field(
     limit = ROUTE_PART_MAX if key_part else MAX_FIELD
     if len(value) > limit:
         raise _BadRequest(400, f"{name} is longer than {limit} characters")
-    if key and len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
-        raise _BadRequest(400, f"{name} is longer than {MAX_ID_BYTES} bytes in UTF-8")
     if key_part and ":" in value:
         raise _BadRequest(400, f"{name} must not contain ':'")
     if (key_part or id_like) and any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in value):
@@ -520,6 +523,20 @@ def _field(
     if key_part and value == "__root__":
         raise _BadRequest(400, f"{name} '__root__' is reserved (it names a chat's main line)")
     return value
+
+
+def _unkeyable(exc: Exception, message: InboundMessage) -> str | None:
+    """Why the gateway's store refused `message` for good (a 400), or None (503, retry): an id or a
+    sender longer than MAX_ID_BYTES in UTF-8 that the store cannot key (a PostgreSQL store takes
+    none, unless the id was recorded before or the sender approved before; SQLite takes them all).
+    A database's refusal for now (`sqlite3.OperationalError`: busy, the session lost) is a 503."""
+    if not isinstance(exc, sqlite3.DatabaseError) or isinstance(exc, sqlite3.OperationalError):
+        return None
+    field = getattr(exc, "field", None)  # the gateway's `KeyTooLong` names it
+    for name, value in (("id", message.message_id), ("sender", message.sender)):
+        if (field is None or field == name) and len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+            return f"{name} is longer than {MAX_ID_BYTES} bytes in UTF-8 (the gateway's PostgreSQL store cannot key it)"
+    return None
 
 
 def _has_lone_surrogate(value: Any) -> bool:
